@@ -1,0 +1,126 @@
+// backend.h: the interface every backend implements. It is shaped around this model's own fused operations
+// (architecture.md §2–§7), so a new backend adds kernels, never a new forward pass (model/forward.cpp owns that).
+//
+// Memory. Buffers are backend memory (`void*` device pointers; plain host memory on the CPU). Activations
+// are stored in the backend's activation type (act_bytes(): 4 = fp32 on the CPU, 2 = bf16 on GPUs), except
+// where an op says fp32: the residual stream x, the GDN recurrent state and the logits are always fp32. Small per-layer vectors
+// (norm weights, conv taps, A_log, dt_bias) are converted to fp32 once at load.
+//
+// Letters follow architecture.md §1: T tokens in the call, H hidden, NH/NKV/HD attention heads, NK/NV/DK/DV
+// Gated DeltaNet heads, E experts, I expert width.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace lily {
+
+// A quantized matrix in MLX affine layout (architecture.md §9.3), or a stack of E of them (experts):
+// W[e, n, k] = scales[e, n, k/group] · q[e, n, k] + biases[e, n, k/group], q packed LSB-first into u32 words.
+struct QMatrix {
+  const uint32_t* w = nullptr;       // [E, N, K·bits/32]
+  const uint16_t* scales = nullptr;  // bf16 [E, N, K/group]
+  const uint16_t* biases = nullptr;  // bf16 [E, N, K/group]
+  int E = 1, N = 0, K = 0, bits = 4, group = 64;
+
+  size_t words_per_row() const { return size_t(K) * bits / 32; }
+  size_t groups_per_row() const { return size_t(K / group); }
+  QMatrix expert(int e) const {  // one matrix of the stack
+    QMatrix m = *this;
+    m.E = 1;
+    m.w += size_t(e) * N * words_per_row();
+    m.scales += size_t(e) * N * groups_per_row();
+    m.biases += size_t(e) * N * groups_per_row();
+    return m;
+  }
+};
+
+struct AttnArgs {
+  int T;            // new tokens in this call
+  int pos0;         // absolute position of the first one (= tokens already in the cache)
+  int cache_cap;    // rows allocated in the K/V caches
+  int NH, NKV, HD;  // heads, kv heads, head dim
+  int rotary_dim;   // first rotary_dim dims of each head rotate (rotate-half pairing)
+  float rope_theta;
+  float eps;        // q/k RMSNorm epsilon
+};
+
+struct GdnArgs {
+  int T;
+  int NK, NV, DK, DV;  // key heads, value heads, key dim, value dim
+  int conv_kernel;     // taps K (state holds K-1 rows)
+  float eps;           // gated RMSNorm epsilon
+};
+
+struct MoeArgs {
+  int T, H;
+  int E, top_k, I, IS;  // experts, experts per token, expert width, shared-expert width
+  bool norm_topk_prob;
+};
+
+struct MoeWeights {
+  QMatrix router;             // [E, H] (8-bit in the release)
+  QMatrix gate, up, down;     // experts: [E, I, H], [E, I, H], [E, H, I]
+  QMatrix shared_gate, shared_up, shared_down;  // [IS, H], [IS, H], [H, IS]
+  QMatrix shared_expert_gate;  // [1, H] (8-bit in the release)
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual size_t act_bytes() const = 0;
+
+  // ---- memory --------------------------------------------------------------------------------------------
+  virtual void* alloc(size_t bytes) = 0;  // never returns null; throws std::bad_alloc
+  virtual void release(void* p) = 0;
+  // A weight tensor as the backend reads it: the host pointer itself where memory is shared (CPU, unified
+  // memory; zero copy), else a resident copy owned by the backend.
+  virtual const void* weight(const void* host, size_t bytes) = 0;
+  virtual void to_device(void* dst, const void* src, size_t bytes) = 0;
+  virtual void to_host(void* dst, const void* src, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void zero(void* dst, size_t bytes) = 0;
+  virtual void sync() = 0;
+  virtual size_t bytes_in_use() const = 0;
+  virtual size_t peak_bytes() const = 0;
+  virtual void reset_peak() = 0;
+
+  // ---- ops -----------------------------------------------------------------------------------------------
+  // x[t] = dequant(table row tokens[t]) for t < T. tokens: device int32 [T]; x fp32 [T, H].
+  virtual void embed(const QMatrix& table, const int32_t* tokens, int T, float* x) = 0;
+  // out = x / sqrt(mean(x²) + eps) · w over rows of H. x fp32 [T, H]; out [T, H] activations; w fp32 [H].
+  virtual void rms_norm(const float* x, const float* w, int T, int H, float eps, void* out) = 0;
+  // x += d (the residual, fp32; d activations), then out = rms_norm(x). x is updated in place.
+  virtual void add_rms_norm(float* x, const void* d, const float* w, int T, int H, float eps, void* out) = 0;
+  // y = x · Wᵀ. x [T, K] activations; y [T, N], fp32 when y_f32 (logits) else activations.
+  virtual void qmm(const QMatrix& W, const void* x, int T, void* y, bool y_f32) = 0;
+
+  // Full attention (§4). qg [T, NH, 2·HD] (query then gate per head), k/v [T, NKV·HD]; q_norm/k_norm fp32 [HD].
+  // Normalises and rotates q and k, appends k and v at rows pos0.. of the caches [cap, NKV, HD], runs causal
+  // GQA attention over rows 0..pos0+t, and writes out[T, NH·HD] = attention ⊙ σ(gate).
+  virtual void attention(const AttnArgs& a, const void* qg, const void* k, const void* v, const float* q_norm,
+                         const float* k_norm, void* k_cache, void* v_cache, void* out) = 0;
+
+  // Gated DeltaNet (§5), in three steps.
+  // gdn_conv: causal depthwise conv over C = conv_dim channels with state [K-1, C] (raw inputs of the previous
+  // tokens), then SiLU. x, out [T, C]; w fp32 [C, K]. The state is updated to the last K-1 raw rows.
+  virtual void gdn_conv(const GdnArgs& a, const void* x, const float* w, void* conv_state, void* out) = 0;
+  // gdn_scan: q, k = L2-normalised heads of c (q also scaled by DK^-1/2), β = σ(b), g = exp(−exp(A_log)·softplus(α+dt_bias)),
+  // and the delta-rule recurrence on state fp32 [NV, DV, DK]. c [T, 2·NK·DK + NV·DV]; b, alpha [T, NV]; y [T, NV, DV].
+  virtual void gdn_scan(const GdnArgs& a, const void* c, const void* b, const void* alpha, const float* A_log,
+                        const float* dt_bias, float* state, void* y) = 0;
+  // gdn_norm: out = rms_norm(y per head; w) · silu(z). y, z, out [T, NV·DV]; w fp32 [DV].
+  virtual void gdn_norm(const GdnArgs& a, const void* y, const void* z, const float* w, void* out) = 0;
+
+  // Sparse MoE block (§6): router softmax, top-k, renormalise, SwiGLU experts, shared expert with its sigmoid
+  // gate. m, out [T, H].
+  virtual void moe(const MoeArgs& a, const MoeWeights& w, const void* m, void* out) = 0;
+};
+
+std::unique_ptr<Backend> make_backend(const std::string& name);
+std::vector<std::string> compiled_backends();
+
+}  // namespace lily

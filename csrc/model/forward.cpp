@@ -1,0 +1,320 @@
+// forward.cpp: the whole forward pass of Qwen3.6-35B-A3B, top to bottom (architecture.md §2), and the session
+// state it runs on. It calls Backend ops only: no kernel code, no backend #ifdef, no allocation once a
+// session's buffers are sized.
+//
+//   x ← Embed[token]
+//   for each layer:  x ← x + Mixer(RMSNorm(x))      Mixer = GatedAttention (every 4th layer) or GatedDeltaNet
+//                    x ← x + MoE(RMSNorm(x))
+//   logits ← RMSNorm(x) · W_lmᵀ
+#include <algorithm>
+#include <cstring>
+
+#include "core/common.h"
+#include "model/model.h"
+
+namespace lily {
+
+Model::Model(const Config& cfg, const TensorMap& tensors, const std::string& backend)
+    : cfg_(cfg), be_(make_backend(backend)) {
+  cfg_.validate();
+  w_ = bind_weights(cfg_, tensors, *be_);
+}
+
+Model::~Model() {
+  for (void* p : w_.owned) be_->release(p);
+}
+
+size_t Snapshot::nbytes() const {
+  size_t n = 0;
+  for (auto* group : {&kv, &conv, &rec})
+    for (auto& b : *group) n += b.size();
+  return n;
+}
+
+namespace {
+constexpr char kSnapshotMagic[8] = {'L', 'I', 'L', 'Y', 'S', 'N', 'A', 'P'};
+constexpr uint32_t kSnapshotVersion = 1;
+
+template <typename T>
+void put(std::vector<uint8_t>& out, T v) {
+  const auto* p = reinterpret_cast<const uint8_t*>(&v);
+  out.insert(out.end(), p, p + sizeof(T));
+}
+}  // namespace
+
+std::vector<uint8_t> Snapshot::serialize() const {
+  std::vector<uint8_t> out(kSnapshotMagic, kSnapshotMagic + 8);
+  out.reserve(nbytes() + 64 + 8 * (kv.size() + conv.size() + rec.size()));
+  put(out, kSnapshotVersion);
+  put(out, int32_t(pos));
+  for (auto* group : {&kv, &conv, &rec}) {
+    put(out, uint64_t(group->size()));
+    for (auto& b : *group) {
+      put(out, uint64_t(b.size()));
+      out.insert(out.end(), b.begin(), b.end());
+    }
+  }
+  return out;
+}
+
+Snapshot Snapshot::deserialize(const uint8_t* data, size_t n) {
+  size_t at = 0;
+  auto take = [&](void* dst, size_t k) {
+    LILY_CHECK(k <= n - at, "snapshot data is truncated (", n, " bytes)");
+    std::memcpy(dst, data + at, k);
+    at += k;
+  };
+  char magic[8];
+  take(magic, 8);
+  LILY_CHECK(std::memcmp(magic, kSnapshotMagic, 8) == 0, "not a Lily snapshot (bad magic)");
+  uint32_t version;
+  take(&version, 4);
+  LILY_CHECK(version == kSnapshotVersion, "snapshot format version ", version, " is not supported (expected ",
+             kSnapshotVersion, ")");
+  Snapshot s;
+  int32_t pos;
+  take(&pos, 4);
+  s.pos = pos;
+  for (auto* group : {&s.kv, &s.conv, &s.rec}) {
+    uint64_t count;
+    take(&count, 8);
+    LILY_CHECK(count <= 4096, "snapshot data is corrupt (", count, " blobs)");
+    for (uint64_t i = 0; i < count; ++i) {
+      uint64_t size;
+      take(&size, 8);
+      LILY_CHECK(size <= n - at, "snapshot data is truncated (", n, " bytes)");
+      group->emplace_back(data + at, data + at + size);
+      at += size;
+    }
+  }
+  LILY_CHECK(at == n, "snapshot data has ", n - at, " trailing bytes");
+  return s;
+}
+
+Session::Session(const Model& model, int max_context, int prefill_chunk)
+    : model_(model), be_(model.backend()), max_context_(max_context), chunk_(prefill_chunk) {
+  const Config& c = model.config();
+  LILY_CHECK(max_context > 0 && max_context <= c.max_position_embeddings, "max_context must be in 1..",
+             c.max_position_embeddings, " (max_position_embeddings), got ", max_context);
+  LILY_CHECK(prefill_chunk > 0, "prefill_chunk must be positive, got ", prefill_chunk);
+  for (int il = 0; il < c.num_hidden_layers; ++il) {
+    if (c.is_full_attention(il)) continue;
+    conv_.push_back(be_.alloc(size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes()));
+    rec_.push_back(static_cast<float*>(be_.alloc(
+        size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * sizeof(float))));
+  }
+  k_cache_.assign(c.num_full_attention_layers(), nullptr);
+  v_cache_.assign(c.num_full_attention_layers(), nullptr);
+  reset();
+}
+
+Session::~Session() {
+  for (auto* group : {&k_cache_, &v_cache_, &conv_, &work_})
+    for (void* p : *group) be_.release(p);
+  for (float* p : rec_) be_.release(p);
+}
+
+void Session::reset() {
+  const Config& c = model_.config();
+  for (void* p : conv_) be_.zero(p, size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes());
+  for (float* p : rec_)
+    be_.zero(p, size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4);
+  pos_ = 0;
+}
+
+void Session::check_room(int n) const {
+  LILY_CHECK(n >= 0 && int64_t(pos_) + n <= max_context_, "prompt of ", n, " tokens",
+             pos_ ? cat(" (after ", pos_, " tokens already in the session)") : std::string(),
+             " exceeds the context limit of ", max_context_, " tokens");
+}
+
+void Session::reserve_kv(int rows) {
+  if (rows <= kv_cap_) return;
+  const Config& c = model_.config();
+  const int cap = std::min<int64_t>(max_context_, std::max<int64_t>(ceil_div(rows, 256) * 256, 2 * int64_t(kv_cap_)));
+  const size_t row_bytes = size_t(c.num_key_value_heads) * c.head_dim * be_.act_bytes();
+  for (auto* cache : {&k_cache_, &v_cache_}) {
+    for (void*& p : *cache) {
+      void* grown = be_.alloc(size_t(cap) * row_bytes);
+      if (p) {
+        be_.copy(grown, p, size_t(pos_) * row_bytes);
+        be_.release(p);
+      }
+      p = grown;
+    }
+  }
+  kv_cap_ = cap;
+}
+
+void Session::reserve_work(int T) {
+  if (T <= work_T_) return;
+  for (void* p : work_) be_.release(p);
+  work_.clear();
+  const Config& c = model_.config();
+  const size_t ab = be_.act_bytes(), t = size_t(T);
+  auto take = [&](size_t bytes) { work_.push_back(be_.alloc(bytes)); return work_.back(); };
+  const size_t NH = c.num_attention_heads, NKV = c.num_key_value_heads, HD = c.head_dim, NV = c.linear_num_value_heads;
+  tok_ = take(t * sizeof(int32_t));
+  x_ = static_cast<float*>(take(t * c.hidden_size * sizeof(float)));
+  a_ = take(t * c.hidden_size * ab);
+  d_ = take(t * c.hidden_size * ab);
+  p0_ = take(t * std::max<size_t>(c.conv_dim(), 2 * NH * HD) * ab);
+  p1_ = take(t * std::max<size_t>(c.value_dim(), NKV * HD) * ab);
+  p2_ = take(t * std::max<size_t>(NV, NKV * HD) * ab);
+  p3_ = take(t * std::max<size_t>(NV, NH * HD) * ab);
+  p4_ = take(t * c.conv_dim() * ab);
+  p5_ = take(t * c.value_dim() * ab);
+  logits_ = take(t * c.vocab_size * sizeof(float));
+  work_T_ = T;
+}
+
+void Session::mixer_attention(const LayerWeights& L, int T, void* k_cache, void* v_cache) {
+  const Config& c = model_.config();
+  AttnArgs a{T, pos_, kv_cap_, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim(),
+             float(c.rope_theta), float(c.rms_norm_eps)};
+  be_.qmm(L.q_proj, a_, T, p0_, false);  // qg [T, NH, 2·HD]
+  be_.qmm(L.k_proj, a_, T, p1_, false);  // k  [T, NKV·HD]
+  be_.qmm(L.v_proj, a_, T, p2_, false);  // v  [T, NKV·HD]
+  be_.attention(a, p0_, p1_, p2_, L.q_norm, L.k_norm, k_cache, v_cache, p3_);  // [T, NH·HD], gated
+  be_.qmm(L.o_proj, p3_, T, d_, false);
+}
+
+void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state) {
+  const Config& c = model_.config();
+  GdnArgs a{T, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+            c.linear_conv_kernel_dim, float(c.rms_norm_eps)};
+  be_.qmm(L.in_proj_qkv, a_, T, p0_, false);  // X [T, conv_dim]
+  be_.qmm(L.in_proj_z, a_, T, p1_, false);    // z [T, NV·DV]
+  be_.qmm(L.in_proj_b, a_, T, p2_, false);    // b [T, NV]
+  be_.qmm(L.in_proj_a, a_, T, p3_, false);    // α [T, NV]
+  be_.gdn_conv(a, p0_, L.conv1d, conv_state, p4_);                          // C = silu(conv(X)) [T, conv_dim]
+  be_.gdn_scan(a, p4_, p2_, p3_, L.A_log, L.dt_bias, rec_state, p5_);       // y [T, NV, DV]
+  be_.gdn_norm(a, p5_, p1_, L.gdn_norm, p0_);                               // o [T, NV·DV]
+  be_.qmm(L.out_proj, p0_, T, d_, false);
+}
+
+void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits) {
+  const Config& c = model_.config();
+  const Weights& W = model_.weights();
+  const int H = c.hidden_size;
+  const float eps = float(c.rms_norm_eps);
+  reserve_work(T);
+  reserve_kv(pos_ + T);
+  be_.to_device(tok_, tokens, size_t(T) * sizeof(int32_t));
+  be_.embed(W.embed, static_cast<const int32_t*>(tok_), T, x_);
+  be_.rms_norm(x_, W.layers[0].input_norm, T, H, eps, a_);
+  int attn_i = 0, gdn_i = 0;
+  for (size_t il = 0; il < W.layers.size(); ++il) {
+    const LayerWeights& L = W.layers[il];
+    if (L.full_attention) {
+      mixer_attention(L, T, k_cache_[attn_i], v_cache_[attn_i]);
+      ++attn_i;
+    } else {
+      mixer_gdn(L, T, conv_[gdn_i], rec_[gdn_i]);
+      ++gdn_i;
+    }
+    be_.add_rms_norm(x_, d_, L.post_norm, T, H, eps, a_);  // x += mixer; a = post-norm(x)
+    MoeArgs m{T, H, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+              c.shared_expert_intermediate_size, c.norm_topk_prob};
+    be_.moe(m, L.moe, a_, d_);
+    const float* next_norm = il + 1 < W.layers.size() ? W.layers[il + 1].input_norm : W.final_norm;
+    be_.add_rms_norm(x_, d_, next_norm, T, H, eps, a_);  // x += moe; a = next pre-norm (or final norm)
+  }
+  pos_ += T;
+  processed_ += T;
+  if (mode == Logits::None) return;
+  const size_t V = c.vocab_size;
+  if (mode == Logits::All) {
+    be_.qmm(W.lm_head, a_, T, logits_, true);
+    be_.to_host(logits, logits_, size_t(T) * V * sizeof(float));
+  } else {
+    const char* last = static_cast<const char*>(a_) + size_t(T - 1) * H * be_.act_bytes();
+    be_.qmm(W.lm_head, last, 1, logits_, true);
+    be_.to_host(logits, logits_, V * sizeof(float));
+  }
+}
+
+void Session::check_tokens(const int32_t* tokens, int n) const {
+  const int V = model_.config().vocab_size;
+  for (int i = 0; i < n; ++i)
+    LILY_CHECK(tokens[i] >= 0 && tokens[i] < V, "token id ", tokens[i], " at index ", i,
+               " is outside the vocabulary [0, ", V, ")");
+}
+
+void Session::prefill(const int32_t* tokens, int n, float* logits) {
+  LILY_CHECK(n >= 1, "prefill needs at least one token");
+  check_room(n);
+  check_tokens(tokens, n);
+  for (int i = 0; i < n; i += chunk_) {
+    const int T = std::min(chunk_, n - i);
+    const bool last = i + T == n;
+    forward(tokens + i, T, last && logits ? Logits::Last : Logits::None, logits);
+  }
+}
+
+void Session::forward_all(const int32_t* tokens, int n, float* logits) {
+  LILY_CHECK(n >= 1, "forward_all needs at least one token");
+  check_room(n);
+  check_tokens(tokens, n);
+  const size_t V = model_.config().vocab_size;
+  for (int i = 0; i < n; i += chunk_) {
+    const int T = std::min(chunk_, n - i);
+    forward(tokens + i, T, Logits::All, logits + size_t(i) * V);
+  }
+}
+
+Snapshot Session::snapshot() const {
+  const Config& c = model_.config();
+  Snapshot s;
+  s.pos = pos_;
+  const size_t row_bytes = size_t(c.num_key_value_heads) * c.head_dim * be_.act_bytes();
+  for (size_t i = 0; i < k_cache_.size(); ++i) {
+    std::vector<uint8_t> b(2 * size_t(pos_) * row_bytes);
+    if (pos_) {
+      be_.to_host(b.data(), k_cache_[i], pos_ * row_bytes);
+      be_.to_host(b.data() + pos_ * row_bytes, v_cache_[i], pos_ * row_bytes);
+    }
+    s.kv.push_back(std::move(b));
+  }
+  const size_t conv_bytes = size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes();
+  const size_t rec_bytes = size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4;
+  for (size_t i = 0; i < conv_.size(); ++i) {
+    std::vector<uint8_t> cv(conv_bytes), rv(rec_bytes);
+    be_.to_host(cv.data(), conv_[i], conv_bytes);
+    be_.to_host(rv.data(), rec_[i], rec_bytes);
+    s.conv.push_back(std::move(cv));
+    s.rec.push_back(std::move(rv));
+  }
+  be_.sync();
+  return s;
+}
+
+void Session::restore(const Snapshot& s) {
+  const Config& c = model_.config();
+  const size_t row_bytes = size_t(c.num_key_value_heads) * c.head_dim * be_.act_bytes();
+  const size_t conv_bytes = size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes();
+  const size_t rec_bytes = size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4;
+  bool ok = s.pos >= 0 && s.kv.size() == k_cache_.size() && s.conv.size() == conv_.size() &&
+            s.rec.size() == rec_.size();
+  for (auto& b : s.kv) ok = ok && b.size() == 2 * size_t(s.pos) * row_bytes;
+  for (auto& b : s.conv) ok = ok && b.size() == conv_bytes;
+  for (auto& b : s.rec) ok = ok && b.size() == rec_bytes;
+  LILY_CHECK(ok, "snapshot does not belong to this model and backend (layer count, sizes or dtype differ)");
+  LILY_CHECK(s.pos <= max_context_, "snapshot holds ", s.pos, " tokens, more than this session's context limit of ",
+             max_context_);
+  pos_ = 0;  // nothing to preserve while growing the caches
+  reserve_kv(s.pos);
+  for (size_t i = 0; i < k_cache_.size(); ++i) {
+    if (!s.pos) continue;
+    be_.to_device(k_cache_[i], s.kv[i].data(), s.pos * row_bytes);
+    be_.to_device(v_cache_[i], s.kv[i].data() + s.pos * row_bytes, s.pos * row_bytes);
+  }
+  for (size_t i = 0; i < conv_.size(); ++i) {
+    be_.to_device(conv_[i], s.conv[i].data(), conv_bytes);
+    be_.to_device(rec_[i], s.rec[i].data(), rec_bytes);
+  }
+  be_.sync();
+  pos_ = s.pos;
+}
+
+}  // namespace lily

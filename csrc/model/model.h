@@ -1,0 +1,96 @@
+// model.h: Model (config + weights on a backend), Session (the state of one conversation) and Snapshot.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/config.h"
+#include "model/weights.h"
+
+namespace lily {
+
+class Model {
+ public:
+  Model(const Config& cfg, const TensorMap& tensors, const std::string& backend);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const Config& config() const { return cfg_; }
+  const Weights& weights() const { return w_; }
+  Backend& backend() const { return *be_; }
+
+ private:
+  Config cfg_;
+  std::unique_ptr<Backend> be_;
+  Weights w_;
+};
+
+// The complete recurrent state at one position: KV rows 0..pos-1 of every attention layer, conv and fp32
+// recurrent state of every Gated DeltaNet layer. Host memory; independent of the session that made it.
+struct Snapshot {
+  int pos = 0;
+  std::vector<std::vector<uint8_t>> kv;    // per attention layer: K rows then V rows, [pos, NKV, HD] each
+  std::vector<std::vector<uint8_t>> conv;  // per GDN layer: [K-1, conv_dim] activations
+  std::vector<std::vector<uint8_t>> rec;   // per GDN layer: fp32 [NV, DV, DK]
+  size_t nbytes() const;
+  // A self-describing byte string (magic, version, position, every blob with its size) and back.
+  std::vector<uint8_t> serialize() const;
+  static Snapshot deserialize(const uint8_t* data, size_t n);
+};
+
+class Session {
+ public:
+  // max_context: the most tokens this session may hold (≤ max_position_embeddings);
+  // prefill_chunk: tokens per forward call during prefill (bounds working memory).
+  Session(const Model& model, int max_context, int prefill_chunk);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  int position() const { return pos_; }
+  int max_context() const { return max_context_; }
+  int prefill_chunk() const { return chunk_; }
+  int vocab_size() const { return model_.config().vocab_size; }
+  // Tokens this session has run through the model since it was made (prefill and decode).
+  int64_t tokens_processed() const { return processed_; }
+
+  // Feeds n tokens in chunks. If logits != null, writes the fp32 logits [vocab] of the last token there.
+  void prefill(const int32_t* tokens, int n, float* logits);
+  // Feeds n tokens and writes the fp32 logits of every one of them to logits [n, vocab] (teacher forcing).
+  void forward_all(const int32_t* tokens, int n, float* logits);
+  void reset();
+  Snapshot snapshot() const;
+  void restore(const Snapshot& s);
+  // Checks that n more tokens fit; throws InputError otherwise.
+  void check_room(int n) const;
+  // Checks that every id is inside the vocabulary; throws InputError otherwise (before any state changes).
+  void check_tokens(const int32_t* tokens, int n) const;
+
+ private:
+  enum class Logits { None, Last, All };
+  void forward(const int32_t* tokens, int T, Logits mode, float* logits);
+  void reserve_kv(int rows);
+  void reserve_work(int T);
+  void mixer_attention(const LayerWeights& L, int T, void* k_cache, void* v_cache);
+  void mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state);
+
+  const Model& model_;
+  Backend& be_;
+  int max_context_, chunk_;
+  int pos_ = 0;
+  int64_t processed_ = 0;
+  int kv_cap_ = 0;
+  std::vector<void*> k_cache_, v_cache_;  // per attention layer [kv_cap, NKV, HD]
+  std::vector<void*> conv_;                // per GDN layer [K-1, conv_dim]
+  std::vector<float*> rec_;                // per GDN layer [NV, DV, DK] fp32
+  // working buffers for up to work_T_ tokens (activations unless noted)
+  int work_T_ = 0;
+  std::vector<void*> work_;
+  float* x_ = nullptr;  // the residual stream, fp32 on every backend
+  void *tok_ = nullptr, *a_ = nullptr, *d_ = nullptr, *p0_ = nullptr, *p1_ = nullptr, *p2_ = nullptr,
+       *p3_ = nullptr, *p4_ = nullptr, *p5_ = nullptr, *logits_ = nullptr;
+};
+
+}  // namespace lily

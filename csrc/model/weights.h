@@ -1,0 +1,58 @@
+// weights.h: every tensor of the text model, bound to backend memory, one field per tensor with its shape.
+// The table of names lives in weights.cpp (bind_weights); it is the single place that knows checkpoint keys.
+#pragma once
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/config.h"
+
+namespace lily {
+
+// A tensor as the loader hands it over: a host view (usually of a memory-mapped shard) plus where it came from.
+struct HostTensor {
+  const void* data = nullptr;
+  std::string dtype;           // "U32", "BF16", "F16", "F32"
+  std::vector<int64_t> shape;
+  std::string source;          // file name, for error messages
+};
+using TensorMap = std::unordered_map<std::string, HostTensor>;
+
+struct LayerWeights {
+  bool full_attention = false;
+  const float* input_norm = nullptr;  // [H] fp32 (stored 1+w)
+  const float* post_norm = nullptr;   // [H]
+  // full attention (§4)
+  QMatrix q_proj;                     // [NH·2·HD, H]  query and gate, interleaved per head
+  QMatrix k_proj, v_proj;             // [NKV·HD, H]
+  QMatrix o_proj;                     // [H, NH·HD]
+  const float* q_norm = nullptr;      // [HD]
+  const float* k_norm = nullptr;      // [HD]
+  // Gated DeltaNet (§5)
+  QMatrix in_proj_qkv;                // [2·NK·DK + NV·DV, H]
+  QMatrix in_proj_z;                  // [NV·DV, H]
+  QMatrix in_proj_b, in_proj_a;       // [NV, H]
+  QMatrix out_proj;                   // [H, NV·DV]
+  const float* conv1d = nullptr;      // [conv_dim, K]
+  const float* A_log = nullptr;       // [NV]
+  const float* dt_bias = nullptr;     // [NV]
+  const float* gdn_norm = nullptr;    // [DV]
+  // MoE (§6)
+  MoeWeights moe;
+};
+
+struct Weights {
+  QMatrix embed;                      // [V, H]
+  QMatrix lm_head;                    // [V, H]
+  const float* final_norm = nullptr;  // [H]
+  std::vector<LayerWeights> layers;
+  std::vector<void*> owned;           // backend buffers made at bind time (fp32 vectors, resident copies)
+  size_t bytes = 0;                   // quantized bytes bound
+};
+
+// Checks presence, dtype and shape of every tensor against the config (InputError names the tensor and its
+// file) and binds them to the backend: zero-copy where the backend shares host memory.
+Weights bind_weights(const Config& cfg, const TensorMap& tensors, Backend& be);
+
+}  // namespace lily

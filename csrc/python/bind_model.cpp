@@ -1,0 +1,230 @@
+// bind_model.cpp: lily._core.Model / Session / Snapshot / Generator. The GIL is released around every call that
+// computes. Python objects that own memory the core reads (the mapped weight arrays) are kept alive by the Model.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+
+#include "core/common.h"
+#include "core/parallel.h"
+#include "model/generator.h"
+#include "model/model.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace lily;
+
+namespace {
+
+using Tokens = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// A Model plus the Python arrays its weights point into.
+struct PyModel {
+  std::unique_ptr<Model> model;
+  nb::object keep_alive;
+};
+
+template <typename T>
+void set_field(const nb::dict& d, const char* key, T& field, bool required) {
+  if (!d.contains(key)) {
+    LILY_CHECK(!required, "config.json: missing required field text_config.", key);
+    return;
+  }
+  try {
+    field = nb::cast<T>(d[key]);
+  } catch (const nb::cast_error&) {
+    throw InputError(cat("config.json: field text_config.", key, " has the wrong type"));
+  }
+}
+
+Config config_from_dict(const nb::dict& d) {
+  Config c;
+#define REQ(f) set_field(d, #f, c.f, true)
+#define OPT(f) set_field(d, #f, c.f, false)
+  REQ(hidden_size); REQ(num_hidden_layers); REQ(num_attention_heads); REQ(num_key_value_heads); REQ(head_dim);
+  REQ(linear_num_key_heads); REQ(linear_num_value_heads); REQ(linear_key_head_dim); REQ(linear_value_head_dim);
+  REQ(num_experts); REQ(num_experts_per_tok); REQ(moe_intermediate_size); REQ(shared_expert_intermediate_size);
+  REQ(vocab_size);
+  OPT(full_attention_interval); OPT(linear_conv_kernel_dim); OPT(max_position_embeddings); OPT(rope_theta);
+  OPT(partial_rotary_factor); OPT(rms_norm_eps); OPT(tie_word_embeddings); OPT(norm_topk_prob);
+#undef REQ
+#undef OPT
+  return c;
+}
+
+nb::dict config_to_dict(const Config& c) {
+  nb::dict d;
+#define F(f) d[#f] = c.f
+  F(hidden_size); F(num_hidden_layers); F(full_attention_interval); F(num_attention_heads); F(num_key_value_heads);
+  F(head_dim); F(linear_num_key_heads); F(linear_num_value_heads); F(linear_key_head_dim); F(linear_value_head_dim);
+  F(linear_conv_kernel_dim); F(num_experts); F(num_experts_per_tok); F(moe_intermediate_size);
+  F(shared_expert_intermediate_size); F(vocab_size); F(max_position_embeddings); F(rope_theta);
+  F(partial_rotary_factor); F(rms_norm_eps); F(tie_word_embeddings); F(norm_topk_prob);
+#undef F
+  return d;
+}
+
+const char* dtype_name(const nb::ndarray<nb::ro, nb::device::cpu>& a) {
+  nb::dlpack::dtype t = a.dtype();
+  if (t == nb::dtype<uint32_t>()) return "U32";
+  if (t == nb::dtype<uint16_t>()) return "BF16";  // numpy has no bfloat16: the loader hands bf16 bits as uint16
+  if (t == nb::dtype<float>()) return "F32";
+  if (t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return "F16";
+  return "other";
+}
+
+PyModel* make_model(const nb::dict& config, const nb::dict& tensors, const nb::dict& sources,
+                    const std::string& backend) {
+  TensorMap map;
+  for (auto [k, v] : tensors) {
+    std::string name = nb::cast<std::string>(k);
+    nb::ndarray<nb::ro, nb::device::cpu> a;
+    if (!nb::try_cast(v, a)) throw InputError(cat("tensor '", name, "': not an array"));
+    HostTensor t;
+    t.data = a.data();
+    t.dtype = dtype_name(a);
+    for (size_t i = 0; i < a.ndim(); ++i) t.shape.push_back(int64_t(a.shape(i)));
+    int64_t stride = 1;
+    for (size_t i = a.ndim(); i-- > 0;) {
+      LILY_CHECK(a.shape(i) == 1 || a.stride(i) == stride, "tensor '", name, "': not contiguous");
+      stride *= int64_t(a.shape(i));
+    }
+    if (sources.contains(k)) t.source = nb::cast<std::string>(sources[k]);
+    map.emplace(std::move(name), std::move(t));
+  }
+  Config c = config_from_dict(config);
+  auto* pm = new PyModel();
+  try {
+    nb::gil_scoped_release release;
+    pm->model = std::make_unique<Model>(c, map, backend);
+  } catch (...) {
+    delete pm;
+    throw;
+  }
+  pm->keep_alive = tensors;
+  return pm;
+}
+
+nb::ndarray<nb::numpy, float> new_array(std::vector<size_t> shape) {
+  size_t n = 1;
+  for (size_t s : shape) n *= s;
+  float* data = new float[n];
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  return nb::ndarray<nb::numpy, float>(data, shape.size(), shape.data(), owner);
+}
+
+}  // namespace
+
+void init_model(nb::module_& m) {
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const InputError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("backends", &compiled_backends, "Names of the backends compiled into this build.");
+  m.def("num_threads", &num_threads, "Threads the CPU backend uses (LILY_NUM_THREADS overrides).");
+
+  nb::class_<PyModel>(m, "Model", "Weights of one qwen3_5_moe text model resident on a backend.")
+      .def("__init__",
+           [](PyModel* self, const nb::dict& config, const nb::dict& tensors, const nb::dict& sources,
+              const std::string& backend) {
+             PyModel* pm = make_model(config, tensors, sources, backend);
+             new (self) PyModel(std::move(*pm));
+             delete pm;
+           },
+           "config"_a, "tensors"_a, "sources"_a = nb::dict(), "backend"_a = "cpu",
+           "config: text config dict (architecture.md §1 names); tensors: canonical name → array (bf16 as uint16);\n"
+           "sources: canonical name → file, for error messages.")
+      .def_prop_ro("config", [](const PyModel& m) { return config_to_dict(m.model->config()); })
+      .def_prop_ro("backend", [](const PyModel& m) { return m.model->backend().name(); })
+      .def_prop_ro("weight_bytes", [](const PyModel& m) { return m.model->weights().bytes; },
+                   "Bytes of quantized weights bound.")
+      .def_prop_ro("memory_in_use", [](const PyModel& m) { return m.model->backend().bytes_in_use(); },
+                   "Backend bytes allocated now (resident weights, state, working buffers).")
+      .def_prop_ro("peak_memory", [](const PyModel& m) { return m.model->backend().peak_bytes(); },
+                   "Highest backend allocation since load or reset_peak_memory().")
+      .def("reset_peak_memory", [](PyModel& m) { m.model->backend().reset_peak(); })
+      .def("session",
+           [](PyModel& m, int max_context, int prefill_chunk) {
+             return new Session(*m.model, max_context > 0 ? max_context : m.model->config().max_position_embeddings,
+                                prefill_chunk);
+           },
+           "max_context"_a = 0, "prefill_chunk"_a = 512, nb::keep_alive<0, 1>(),
+           "A new empty session (max_context 0: the model's max_position_embeddings).");
+
+  nb::class_<Snapshot>(m, "Snapshot", "The complete state of a session at one position (host memory).")
+      .def_prop_ro("position", [](const Snapshot& s) { return s.pos; })
+      .def_prop_ro("nbytes", &Snapshot::nbytes)
+      .def("to_bytes",
+           [](const Snapshot& s) {
+             std::vector<uint8_t> b;
+             {
+               nb::gil_scoped_release release;
+               b = s.serialize();
+             }
+             return nb::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+           },
+           "The snapshot as a self-describing byte string (for disk caches).")
+      .def_static("from_bytes",
+                  [](nb::bytes b) {
+                    return Snapshot::deserialize(reinterpret_cast<const uint8_t*>(b.c_str()), b.size());
+                  },
+                  "data"_a, "A snapshot from to_bytes() output; ValueError if the data is not one.");
+
+  nb::class_<Session>(m, "Session", "The state of one sequence: KV caches, conv and recurrent states, position.")
+      .def_prop_ro("position", &Session::position)
+      .def_prop_ro("max_context", &Session::max_context)
+      .def_prop_ro("prefill_chunk", &Session::prefill_chunk)
+      .def_prop_ro("tokens_processed", &Session::tokens_processed,
+                   "Tokens run through the model by this session since it was made (prefill and decode).")
+      .def("prefill",
+           [](Session& s, const Tokens& tokens) {
+             auto out = new_array({size_t(s.vocab_size())});
+             nb::gil_scoped_release release;
+             s.prefill(tokens.data(), int(tokens.shape(0)), out.data());
+             return out;
+           },
+           "tokens"_a, "Feeds tokens (int32 [n], n ≥ 1) in chunks; returns the fp32 logits of the last one.")
+      .def("forward_all",
+           [](Session& s, const Tokens& tokens) {
+             auto out = new_array({tokens.shape(0), size_t(s.vocab_size())});
+             nb::gil_scoped_release release;
+             s.forward_all(tokens.data(), int(tokens.shape(0)), out.data());
+             return out;
+           },
+           "tokens"_a, "Feeds tokens; returns the fp32 logits of every one, [n, vocab].")
+      .def("check_room", &Session::check_room, "n"_a,
+           "Raises ValueError unless n more tokens fit within the session's context limit.")
+      .def("reset", &Session::reset, nb::call_guard<nb::gil_scoped_release>())
+      .def("snapshot", &Session::snapshot, nb::call_guard<nb::gil_scoped_release>())
+      .def("restore", &Session::restore, "snapshot"_a, nb::call_guard<nb::gil_scoped_release>());
+
+  nb::class_<Generator>(m, "Generator", "The decode loop of one generation on a session.")
+      .def(nb::init<Session&, const SamplingParams&, std::vector<int>, int, int>(), "session"_a, "params"_a,
+           "eos_ids"_a, "max_tokens"_a, "n_valid"_a, nb::keep_alive<1, 2>())
+      .def("prefill",
+           [](Generator& g, const Tokens& tokens, const Tokens& history) {
+             nb::gil_scoped_release release;
+             g.prefill(tokens.data(), int(tokens.shape(0)), history.data(), int(history.shape(0)));
+           },
+           "tokens"_a, "history"_a,
+           "Feeds the new prompt tokens; `history` (tokens already in the session) counts for penalties.")
+      .def("next",
+           [](Generator& g) {
+             GenStep s;
+             {
+               nb::gil_scoped_release release;
+               s = g.next();
+             }
+             return nb::make_tuple(s.token, s.logprob, s.top_ids, s.top_logprobs, int(s.finish));
+           },
+           "One step: (token, logprob, top_ids, top_logprobs, finish) with finish 0 none, 1 stop (EOS), "
+           "2 length. token is -1 when nothing more can be generated.")
+      .def_prop_ro("pending", &Generator::pending)
+      .def_prop_ro("generated", &Generator::generated);
+}

@@ -1,0 +1,263 @@
+// bind_testing.cpp: lily._core.testing — run one Backend op on numpy inputs, on any compiled backend. The op test
+// (tests/ops) feeds identical inputs to the CPU reference and to each GPU backend through run_op; the op
+// benchmark (benchmarks/bench_ops.py) times the same launches with time_op.
+//
+// Inputs are float32 arrays for activations (converted to the backend's activation type on upload: bf16 on
+// GPUs), float32 for fp32 tensors, uint32/uint16 for quantized triplets (`<name>.w`, `<name>.scales`,
+// `<name>.biases`) and int32 for token ids. Outputs come back as float32 arrays.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/common.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace lily;
+
+namespace {
+
+using Array = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
+
+Backend& backend(const std::string& name) {
+  static std::map<std::string, std::unique_ptr<Backend>> cache;
+  auto& b = cache[name];
+  if (!b) b = make_backend(name);
+  return *b;
+}
+
+class Runner {
+ public:
+  Runner(Backend& be, const nb::dict& params, const nb::dict& inputs) : be_(be), params_(params), inputs_(inputs) {}
+  ~Runner() {
+    for (void* p : bufs_) be_.release(p);
+  }
+
+  int i(const char* k) const { return nb::cast<int>(params_[k]); }
+  float f(const char* k) const { return nb::cast<float>(params_[k]); }
+  bool flag(const char* k) const { return params_.contains(k) && nb::cast<bool>(params_[k]); }
+
+  Array input(const std::string& k) const {
+    LILY_CHECK(inputs_.contains(k.c_str()), "run_op: missing input '", k, "'");
+    return nb::cast<Array>(inputs_[k.c_str()]);
+  }
+  // An activation tensor (f32 in, backend activation type on the device).
+  void* act(const std::string& k) {
+    Array a = input(k);
+    LILY_CHECK(a.dtype() == nb::dtype<float>(), "run_op: input '", k, "' must be float32");
+    return track(k, upload_act(static_cast<const float*>(a.data()), a.size()), a, true);
+  }
+  float* f32(const std::string& k) {
+    Array a = input(k);
+    LILY_CHECK(a.dtype() == nb::dtype<float>(), "run_op: input '", k, "' must be float32");
+    return static_cast<float*>(track(k, upload(a.data(), a.size() * 4), a, false));
+  }
+  void* raw(const std::string& k) {
+    Array a = input(k);
+    return upload(a.data(), a.nbytes());
+  }
+  QMatrix q(const std::string& k, int E) {
+    Array w = input(k + ".w"), s = input(k + ".scales");
+    QMatrix m;
+    m.E = E > 0 ? E : 1;
+    m.N = int(w.shape(w.ndim() - 2));
+    m.K = nb::cast<int>(params_[(k + ".K").c_str()]);
+    m.bits = int(32 * w.shape(w.ndim() - 1) / m.K);
+    m.group = int(m.K / s.shape(s.ndim() - 1));
+    m.w = static_cast<const uint32_t*>(raw(k + ".w"));
+    m.scales = static_cast<const uint16_t*>(raw(k + ".scales"));
+    m.biases = static_cast<const uint16_t*>(raw(k + ".biases"));
+    return m;
+  }
+  // A new output buffer of n elements (activations unless f32).
+  void* out(const std::string& k, size_t n, bool is_f32) {
+    void* p = alloc(n * (is_f32 ? 4 : be_.act_bytes()));
+    outs_[k] = {p, n, is_f32 || be_.act_bytes() == 4};
+    return p;
+  }
+  nb::dict results() {
+    be_.sync();
+    nb::dict d;
+    for (auto& [k, o] : outs_) {
+      std::vector<float> host(o.n);
+      if (o.is_f32) {
+        be_.to_host(host.data(), o.ptr, o.n * 4);
+      } else {
+        std::vector<uint16_t> bits(o.n);
+        be_.to_host(bits.data(), o.ptr, o.n * 2);
+        for (size_t j = 0; j < o.n; ++j) host[j] = bf16_to_f32(bits[j]);
+      }
+      float* data = new float[o.n];
+      std::memcpy(data, host.data(), o.n * 4);
+      nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+      size_t shape[1] = {o.n};
+      d[k.c_str()] = nb::ndarray<nb::numpy, float>(data, 1, shape, owner);
+    }
+    return d;
+  }
+
+ private:
+  struct Out {
+    void* ptr;
+    size_t n;
+    bool is_f32;
+  };
+  void* alloc(size_t n) {
+    bufs_.push_back(be_.alloc(n));
+    return bufs_.back();
+  }
+  void* upload(const void* host, size_t n) {
+    void* p = alloc(n);
+    be_.to_device(p, host, n);
+    return p;
+  }
+  void* upload_act(const float* x, size_t n) {
+    if (be_.act_bytes() == 4) return upload(x, n * 4);
+    std::vector<uint16_t> bits(n);
+    for (size_t j = 0; j < n; ++j) bits[j] = f32_to_bf16(x[j]);
+    return upload(bits.data(), n * 2);
+  }
+  // Inputs that ops update in place are also returned.
+  void* track(const std::string& k, void* p, const Array& a, bool is_act) {
+    outs_[k] = {p, a.size(), !is_act || be_.act_bytes() == 4};
+    return p;
+  }
+
+  Backend& be_;
+  nb::dict params_, inputs_;
+  std::vector<void*> bufs_;
+  std::map<std::string, Out> outs_;
+};
+
+// Binds one op's buffers and returns the launch.
+std::function<void()> prepare(Backend& be, Runner& r, const std::string& op) {
+  if (op == "embed") {
+    int T = r.i("T");
+    QMatrix tab = r.q("table", 0);
+    auto* tok = static_cast<const int32_t*>(r.raw("tokens"));
+    auto* x = static_cast<float*>(r.out("x", size_t(T) * tab.K, true));
+    return [&be, tab, tok, T, x] { be.embed(tab, tok, T, x); };
+  }
+  if (op == "rms_norm") {
+    int T = r.i("T"), H = r.i("H");
+    float eps = r.f("eps");
+    float* x = r.f32("x");
+    float* w = r.f32("w");
+    void* out = r.out("out", size_t(T) * H, false);
+    return [&be, x, w, T, H, eps, out] { be.rms_norm(x, w, T, H, eps, out); };
+  }
+  if (op == "add_rms_norm") {
+    int T = r.i("T"), H = r.i("H");
+    float eps = r.f("eps");
+    float* x = r.f32("x");
+    void* d = r.act("d");
+    float* w = r.f32("w");
+    void* out = r.out("out", size_t(T) * H, false);
+    return [&be, x, d, w, T, H, eps, out] { be.add_rms_norm(x, d, w, T, H, eps, out); };
+  }
+  if (op == "qmm") {
+    int T = r.i("T");
+    bool y_f32 = r.flag("y_f32");
+    QMatrix W = r.q("W", 0);
+    void* x = r.act("x");
+    void* y = r.out("y", size_t(T) * W.N, y_f32);
+    return [&be, W, x, T, y, y_f32] { be.qmm(W, x, T, y, y_f32); };
+  }
+  if (op == "attention") {
+    AttnArgs a{r.i("T"), r.i("pos0"), r.i("cache_cap"), r.i("NH"), r.i("NKV"), r.i("HD"), r.i("rotary_dim"),
+               r.f("rope_theta"), r.f("eps")};
+    void *qg = r.act("qg"), *k = r.act("k"), *v = r.act("v");
+    float *qn = r.f32("q_norm"), *kn = r.f32("k_norm");
+    void *kc = r.act("k_cache"), *vc = r.act("v_cache");
+    void* out = r.out("out", size_t(a.T) * a.NH * a.HD, false);
+    return [&be, a, qg, k, v, qn, kn, kc, vc, out] { be.attention(a, qg, k, v, qn, kn, kc, vc, out); };
+  }
+  GdnArgs g{r.i("T"), 0, 0, 0, 0, 4, 0.0f};
+  auto gdn_dims = [&] {
+    g.NK = r.i("NK"), g.NV = r.i("NV"), g.DK = r.i("DK"), g.DV = r.i("DV");
+    g.conv_kernel = r.i("conv_kernel");
+    g.eps = r.f("eps");
+  };
+  if (op == "gdn_conv") {
+    gdn_dims();
+    const size_t C = 2 * size_t(g.NK) * g.DK + size_t(g.NV) * g.DV;
+    void* x = r.act("x");
+    float* w = r.f32("w");
+    void* state = r.act("conv_state");
+    void* out = r.out("out", size_t(g.T) * C, false);
+    return [&be, g, x, w, state, out] { be.gdn_conv(g, x, w, state, out); };
+  }
+  if (op == "gdn_scan") {
+    gdn_dims();
+    void *c = r.act("c"), *b = r.act("b"), *al = r.act("alpha");
+    float *A = r.f32("A_log"), *dt = r.f32("dt_bias"), *state = r.f32("state");
+    void* y = r.out("y", size_t(g.T) * g.NV * g.DV, false);
+    return [&be, g, c, b, al, A, dt, state, y] { be.gdn_scan(g, c, b, al, A, dt, state, y); };
+  }
+  if (op == "gdn_norm") {
+    gdn_dims();
+    void *y = r.act("y"), *z = r.act("z");
+    float* w = r.f32("w");
+    void* out = r.out("out", size_t(g.T) * g.NV * g.DV, false);
+    return [&be, g, y, z, w, out] { be.gdn_norm(g, y, z, w, out); };
+  }
+  if (op == "moe") {
+    MoeArgs a{r.i("T"), r.i("H"), r.i("E"), r.i("top_k"), r.i("I"), r.i("IS"), r.flag("norm_topk_prob")};
+    MoeWeights w;
+    w.router = r.q("router", 0);
+    w.gate = r.q("gate", a.E);
+    w.up = r.q("up", a.E);
+    w.down = r.q("down", a.E);
+    w.shared_gate = r.q("shared_gate", 0);
+    w.shared_up = r.q("shared_up", 0);
+    w.shared_down = r.q("shared_down", 0);
+    w.shared_expert_gate = r.q("shared_expert_gate", 0);
+    void* m = r.act("m");
+    void* out = r.out("out", size_t(a.T) * a.H, false);
+    return [&be, a, w, m, out] { be.moe(a, w, m, out); };
+  }
+  throw InputError(cat("run_op: unknown op '", op, "'"));
+}
+
+}  // namespace
+
+void init_testing(nb::module_& m) {
+  nb::module_ t = m.def_submodule("testing", "Run and time single backend ops (op tests and op benchmarks).");
+  t.def("run_op",
+        [](const std::string& backend_name, const std::string& op, const nb::dict& params, const nb::dict& inputs) {
+          Backend& be = backend(backend_name);
+          Runner r(be, params, inputs);
+          auto launch = prepare(be, r, op);
+          {
+            nb::gil_scoped_release release;
+            launch();
+          }
+          return r.results();
+        },
+        "backend"_a, "op"_a, "params"_a, "inputs"_a,
+        "Runs one op; returns its outputs (and inputs it updates in place) as float32 arrays.");
+  t.def("time_op",
+        [](const std::string& backend_name, const std::string& op, const nb::dict& params, const nb::dict& inputs,
+           int iters) {
+          Backend& be = backend(backend_name);
+          Runner r(be, params, inputs);
+          auto launch = prepare(be, r, op);
+          nb::gil_scoped_release release;
+          launch();  // warm-up
+          be.sync();
+          auto t0 = std::chrono::steady_clock::now();
+          for (int k = 0; k < iters; ++k) launch();
+          be.sync();
+          std::chrono::duration<double, std::micro> dt = std::chrono::steady_clock::now() - t0;
+          return dt.count() / iters;
+        },
+        "backend"_a, "op"_a, "params"_a, "inputs"_a, "iters"_a = 20,
+        "Mean microseconds per launch over `iters` back-to-back launches (after one warm-up).");
+}

@@ -1,0 +1,14 @@
+"""Lily: a lightweight inference engine for Qwen3.6-35B-A3B (MLX 4-bit checkpoints).
+
+    import lily
+    model = lily.load("tiny")                       # or a checkpoint directory / Hugging Face id
+    print(lily.generate(model, [{"role": "user", "content": "Hi"}], max_tokens=32))
+"""
+from lily._core import backends
+from lily.generate import GenerationResponse, generate, stream_generate
+from lily.model import Model, Session, load
+from lily.sampling import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["load", "generate", "stream_generate", "Model", "Session", "GenerationResponse", "SamplingParams",
+           "backends", "__version__"]

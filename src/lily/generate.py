@@ -1,0 +1,144 @@
+"""generate / stream_generate: prompt → tokens → prefill → decode loop → text, with the sampling settings,
+stop conditions and statistics of mlx-lm's API."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+from lily import _core
+from lily.model import Model, Session, as_tokens
+from lily.sampling import SamplingParams
+
+FINISH = {0: None, 1: "stop", 2: "length"}
+
+
+@dataclass
+class GenerationResponse:
+    text: str                        # new text since the previous response (may be empty)
+    token: int                       # the token generated at this step (-1 when none)
+    logprob: float                   # its log-probability under the model (raw logits)
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    prompt_tokens: int = 0           # tokens in the prompt
+    cached_tokens: int = 0           # of those, already in the session's state (not prefilled again)
+    prompt_tps: float = 0.0          # prefill speed over the new prompt tokens
+    generation_tokens: int = 0       # tokens generated so far
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0         # GB: the backend's peak allocation (state, buffers, resident weights)
+    finish_reason: str | None = None  # None, "stop" (EOS or stop string) or "length"
+
+
+def _sampling(model: Model, sampling: SamplingParams | None, overrides: dict) -> SamplingParams:
+    if sampling is not None:
+        if overrides:
+            raise TypeError("pass sampling settings either as a SamplingParams or as keywords, not both")
+        return sampling
+    return SamplingParams.from_generation_config(model.generation_config, **overrides)
+
+
+class _StopMatcher:
+    """Holds back text that could be the start of a stop string; reports a stop when one is complete."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.keep = max((len(s) for s in stops), default=1) - 1
+        self.buf = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        self.buf += text
+        if self.stops:
+            cut = min((i for i in (self.buf.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                out, self.buf = self.buf[:cut], ""
+                return out, True
+        n = max(len(self.buf) - self.keep, 0) if self.stops else len(self.buf)
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+def stream_generate(model: Model, prompt, *, session: Session | None = None, sampling: SamplingParams | None = None,
+                    tools: list[dict] | None = None, enable_thinking: bool | None = None,
+                    chat_template_kwargs: dict | None = None, **sampling_kwargs) -> Iterator[GenerationResponse]:
+    """Generates from `prompt` (text, token ids, or chat messages), yielding a response per token.
+
+    Sampling keywords (temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
+    frequency_penalty, seed, max_tokens, stop, top_logprobs) default to the model's generation_config.json.
+    With a `session`, a prompt extending what the session already holds prefills only its new tokens."""
+    params = _sampling(model, sampling, sampling_kwargs)
+    template_kwargs = dict(chat_template_kwargs or {})
+    if enable_thinking is not None:
+        template_kwargs["enable_thinking"] = enable_thinking
+    messages = list(prompt) if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict) else None
+    session = session or model.session()
+    ids = session.continuation(messages, tools, **template_kwargs) if messages else None
+    if ids is None:
+        ids = model.encode_prompt(prompt, tools=tools, **template_kwargs)
+    prompt_ids = as_tokens(ids).tolist()
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: it must contain at least one token")
+    cached = session.reuse(prompt_ids)
+    new = prompt_ids[cached:]
+    session.core.check_room(len(new))
+    model.core.reset_peak_memory()
+
+    gen = _core.Generator(session.core, params.to_core(), model.eos_token_ids, params.max_tokens, model.n_valid)
+    t0 = time.perf_counter()
+    gen.prefill(as_tokens(new), as_tokens(prompt_ids[:cached]))
+    session.tokens = list(prompt_ids)
+    session.messages, session.pending, session.ended_on_eos = None, None, False
+    prompt_tps = len(new) / max(time.perf_counter() - t0, 1e-9)
+
+    detok = model.tokenizer.detokenizer()
+    stop = _StopMatcher(params.stop)
+    t1 = time.perf_counter()
+    n, prev, reply = 0, None, []
+    while True:
+        token, logprob, top_ids, top_lps, finish = gen.next()
+        stats = dict(prompt_tokens=len(prompt_ids), cached_tokens=cached, prompt_tps=prompt_tps,
+                     peak_memory=model.core.peak_memory / 1e9)
+        if token < 0:  # the context is full: nothing more can be generated
+            yield GenerationResponse(stop.push(detok.flush())[0] + stop.flush(), -1, 0.0, generation_tokens=n,
+                                     generation_tps=n / max(time.perf_counter() - t1, 1e-9),
+                                     finish_reason="length", **stats)
+            return
+        if prev is not None:  # next() fed the previous token to the model before sampling this one
+            session.tokens.append(prev)
+        prev, n = token, n + 1
+        reason = FINISH[finish]
+        text, hit = stop.push("" if reason == "stop" else detok.add(token))  # an EOS token adds no text
+        if hit:
+            reason = "stop"
+        elif reason is not None:
+            text += stop.push(detok.flush())[0] + stop.flush()
+        reply.append(text)
+        if reason is not None and messages is not None:  # remember the conversation for the next turn
+            session.messages = messages + [{"role": "assistant", "content": "".join(reply)}]
+            session.pending, session.ended_on_eos = token, token in model.eos_token_ids
+        yield GenerationResponse(text, token, float(logprob), list(zip(top_ids, top_lps)), generation_tokens=n,
+                                 generation_tps=n / max(time.perf_counter() - t1, 1e-9), finish_reason=reason,
+                                 **stats)
+        if reason is not None:
+            return
+
+
+def generate(model: Model, prompt, *, verbose: bool = False, **kwargs) -> str:
+    """The whole generated text (see stream_generate for the arguments). verbose prints it as it comes,
+    then the speeds."""
+    text, last = [], None
+    for r in stream_generate(model, prompt, **kwargs):
+        text.append(r.text)
+        if verbose:
+            print(r.text, end="", flush=True)
+        last = r
+    if verbose and last is not None:
+        print(file=sys.stderr)
+        print(f"Prompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tok/s\n"
+              f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s\n"
+              f"Peak memory: {last.peak_memory:.3f} GB", file=sys.stderr)
+    return "".join(text)
