@@ -1,7 +1,8 @@
-"""The `lily` command: generate and chat (also `python -m lily`)."""
+"""The `lily` command: generate, chat and serve (also `python -m lily`)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lily.generate import stream_generate
@@ -84,6 +85,23 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args) -> int:
+    from lily.server import serve
+
+    model = load(args.model, backend=args.backend)
+    gib = 1 << 30
+    try:
+        serve(model, model_id=args.served_model_name or args.model, host=args.host, port=args.port,
+              api_key=args.api_key or os.environ.get("LILY_API_KEY") or None, max_context=args.max_context,
+              cache_bytes=int(args.cache_gb * gib), cache_dir=args.cache_dir,
+              cache_disk_bytes=int(args.cache_dir_gb * gib),
+              log_level=args.log_level)
+    except OSError as e:
+        print(f"lily: error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lily", description="Lily: an inference engine for Qwen3.6-35B-A3B")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     _common(c)
     c.add_argument("--stats", action="store_true", help="print speeds after each reply")
     c.set_defaults(func=cmd_chat)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, models, metrics)")
+    s.add_argument("--model", required=True, help="checkpoint directory, Hugging Face id, or 'tiny'")
+    s.add_argument("--backend", default="cpu", help="cpu (default) or a GPU backend compiled into this build")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port (0: any free one; default 8000)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LILY_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    s.add_argument("--max-context", type=int, default=None, help="context limit in tokens (default: the model's)")
+    s.add_argument("--cache-gb", type=float, default=4.0, help="memory for prefix snapshots (default 4; 0: off)")
+    s.add_argument("--cache-dir", default=None, help="keep prefix snapshots on disk here, across restarts")
+    s.add_argument("--cache-dir-gb", type=float, default=32.0, help="disk budget of --cache-dir (default 32)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

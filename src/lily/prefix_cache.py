@@ -1,0 +1,317 @@
+"""Snapshots of a session's state keyed by the token prefix they hold, so that a prompt extending a cached
+prefix restores it and prefills only the rest.
+
+`PrefixCache` keeps snapshots (lily._core.Snapshot: KV rows, Gated DeltaNet conv and recurrent states) in
+memory under a byte budget, evicting the least recently used. With a `cache_dir` every snapshot is also
+written to disk (by a background thread: a temporary file, then an atomic rename) and the files found
+there at start-up are indexed, so a restarted process resumes a conversation without re-reading it. A
+file that is truncated, corrupt or written for another model is skipped with a warning; nothing is ever
+unpickled.
+
+File format (`<key>.lilycache`): the magic `LILYPFX1`, a little-endian u64 header length, a UTF-8 JSON
+header {"fingerprint", "tokens", "snapshot_bytes", "crc32"}, the tokens as little-endian int32, then the
+snapshot's own self-describing bytes (Snapshot.to_bytes). crc32 covers the tokens and the snapshot bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lily import _core
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LILYPFX1"
+SUFFIX = ".lilycache"
+_MAX_HEADER = 1 << 16
+
+
+def model_fingerprint(model) -> str:
+    """Identity of a loaded model for cache files: config, backend, bound weight bytes, and the names, sizes
+    and modification times of its checkpoint files. A snapshot is only ever restored into the same model."""
+    files = None
+    if model.path is not None:
+        files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model.path).glob("*.safetensors"))
+    ident = {"config": model.config, "backend": model.backend, "weight_bytes": model.core.weight_bytes,
+             "files": files}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: str
+    tokens: np.ndarray                    # int32, the prefix the snapshot holds
+    snapshot: _core.Snapshot | None = None  # in memory, or None
+    nbytes: int = 0                       # memory held while in memory
+    path: Path | None = None              # on disk, or None
+    file_bytes: int = 0
+    writing: bool = False                 # a disk write is queued or running
+    used: int = 0                         # LRU clock of the last use
+
+
+class CorruptFile(ValueError):
+    pass
+
+
+class PrefixCache:
+    """Longest-prefix cache of session snapshots. `max_bytes`: memory budget (snapshot bytes plus tokens);
+    `cache_dir`: persist snapshots there, at most `max_disk_bytes` (None: unbounded); `fingerprint`: the
+    model's identity (model_fingerprint), written into files and required of files read back.
+    Thread-safe."""
+
+    def __init__(self, max_bytes: int, *, fingerprint: str, cache_dir: str | Path | None = None,
+                 max_disk_bytes: int | None = None):
+        if max_bytes < 0:
+            raise ValueError(f"PrefixCache: max_bytes must be >= 0, got {max_bytes}")
+        if max_disk_bytes is not None and max_disk_bytes < 0:
+            raise ValueError(f"PrefixCache: max_disk_bytes must be >= 0 or None, got {max_disk_bytes}")
+        self.max_bytes, self.max_disk_bytes, self.fingerprint = max_bytes, max_disk_bytes, fingerprint
+        self.dir = Path(cache_dir) if cache_dir is not None else None
+        self._lock = threading.RLock()
+        self._entries: dict[str, _Entry] = {}
+        self._memory: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._clock = 0
+        self.bytes = self.disk_bytes = 0
+        self.hits = self.misses = self.evictions = 0
+        self._writes: queue.Queue | None = None
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._scan()
+            self._writes = queue.Queue()
+            self._writer = threading.Thread(target=self._write_loop, name="lily-prefix-cache-writer", daemon=True)
+            self._writer.start()
+
+    # -- public API --------------------------------------------------------------------------------------
+
+    @property
+    def entries(self) -> int:
+        """Snapshots held in memory."""
+        return len(self._memory)
+
+    @property
+    def disk_entries(self) -> int:
+        with self._lock:
+            return sum(e.path is not None for e in self._entries.values())
+
+    def lookup(self, tokens: Sequence[int], longer_than: int = 0) -> tuple[_core.Snapshot, list[int]] | None:
+        """The snapshot of the longest cached prefix strictly shorter than `tokens` (at least one token is
+        left to prefill) and longer than `longer_than`, as (snapshot, its tokens) for Session.restore; None if
+        there is none. Every cached prefix of `tokens` counts as used."""
+        t = np.asarray(tokens, dtype=np.int32)
+        with self._lock:
+            while True:
+                matches = sorted((e for e in self._entries.values()
+                                  if (e.snapshot is not None or e.path is not None) and len(e.tokens) < len(t)
+                                  and np.array_equal(e.tokens, t[:len(e.tokens)])), key=lambda e: len(e.tokens))
+                for e in matches:
+                    self._touch(e)
+                if not matches or len(matches[-1].tokens) <= longer_than:
+                    self.misses += 1
+                    return None
+                best = matches[-1]
+                snapshot = best.snapshot if best.snapshot is not None else self._load(best)
+                if snapshot is not None:
+                    self.hits += 1
+                    return snapshot, best.tokens.tolist()
+
+    def insert(self, tokens: Sequence[int], snapshot: _core.Snapshot) -> None:
+        """Caches `snapshot` as the state after `tokens` (the caller guarantees they match)."""
+        t = np.array(tokens, dtype=np.int32)
+        if snapshot.position != len(t):
+            raise ValueError(f"PrefixCache.insert: the snapshot holds {snapshot.position} tokens, "
+                             f"but {len(t)} tokens were given")
+        key = self._key(t)
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                e = self._entries[key] = _Entry(key, t)
+                if self._writes is not None:
+                    e.writing = True
+                    self._writes.put((e, snapshot))
+            self._touch(e)
+            if e.snapshot is None:
+                self._keep_in_memory(e, snapshot)
+            self._forget_if_nowhere(e)
+
+    def flush(self) -> None:
+        """Waits until every queued disk write is done."""
+        if self._writes is not None:
+            self._writes.join()
+
+    def close(self) -> None:
+        """Finishes the disk writes and stops the writer thread."""
+        if self._writes is not None:
+            self._writes.join()
+            self._writes.put(None)
+            self._writer.join()
+            self._writes = None
+
+    # -- memory --------------------------------------------------------------------------------------------
+
+    def _key(self, t: np.ndarray) -> str:
+        data = self.fingerprint.encode() + b"\0" + t.astype("<i4").tobytes()
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+    def _touch(self, e: _Entry) -> None:
+        self._clock += 1
+        e.used = self._clock
+        if e.snapshot is not None:
+            self._memory.move_to_end(e.key)
+
+    def _keep_in_memory(self, e: _Entry, snapshot: _core.Snapshot) -> None:
+        size = snapshot.nbytes + e.tokens.nbytes
+        if size > self.max_bytes:
+            return
+        e.snapshot, e.nbytes = snapshot, size
+        self._memory[e.key] = e
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self._memory.popitem(last=False)
+            self.bytes -= old.nbytes
+            old.snapshot, old.nbytes = None, 0
+            self.evictions += 1
+            self._forget_if_nowhere(old)
+
+    def _forget_if_nowhere(self, e: _Entry) -> None:
+        if e.snapshot is None and e.path is None and not e.writing:
+            self._entries.pop(e.key, None)
+
+    # -- disk ----------------------------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        """Indexes this model's cache files (oldest first); skips others with a warning."""
+        found = []
+        for path in self.dir.glob("*" + SUFFIX):
+            try:
+                with open(path, "rb") as f:
+                    header, tokens = _read_header(f)
+                mtime = path.stat().st_mtime_ns
+            except (OSError, CorruptFile) as err:
+                log.warning("prefix cache: skipping %s: %s", path, err)
+                continue
+            if header["fingerprint"] != self.fingerprint:
+                log.warning("prefix cache: skipping %s: written for another model", path)
+                continue
+            found.append((mtime, path, tokens))
+        for _, path, tokens in sorted(found, key=lambda x: x[0]):
+            e = _Entry(self._key(tokens), tokens, path=path, file_bytes=path.stat().st_size)
+            self._entries[e.key] = e
+            self.disk_bytes += e.file_bytes
+            self._touch(e)
+        self._evict_disk()
+
+    def _load(self, e: _Entry) -> _core.Snapshot | None:
+        """The snapshot of a disk entry (kept in memory if it fits); None, and the file dropped, if it is bad."""
+        try:
+            with open(e.path, "rb") as f:
+                header, tokens = _read_header(f)
+                if header["fingerprint"] != self.fingerprint or not np.array_equal(tokens, e.tokens):
+                    raise CorruptFile("its header changed since it was indexed")
+                payload = f.read(header["snapshot_bytes"])
+            if zlib.crc32(payload, zlib.crc32(tokens.astype("<i4").tobytes())) != header["crc32"]:
+                raise CorruptFile("checksum mismatch")
+            try:
+                snapshot = _core.Snapshot.from_bytes(payload)
+            except ValueError as err:
+                raise CorruptFile(str(err)) from err
+            if snapshot.position != len(tokens):
+                raise CorruptFile(f"the snapshot holds {snapshot.position} tokens, the header {len(tokens)}")
+            os.utime(e.path)
+        except (OSError, CorruptFile) as err:
+            log.warning("prefix cache: skipping %s: %s", e.path, err)
+            self._drop_file(e)
+            self._forget_if_nowhere(e)
+            return None
+        self._keep_in_memory(e, snapshot)
+        return snapshot
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            finally:
+                self._writes.task_done()
+
+    def _write(self, e: _Entry, snapshot: _core.Snapshot) -> None:
+        path = self.dir / (e.key + SUFFIX)
+        tmp = self.dir / f".{e.key}.{os.getpid()}.tmp"
+        try:
+            payload = snapshot.to_bytes()
+            tokens = e.tokens.astype("<i4").tobytes()
+            header = json.dumps({"fingerprint": self.fingerprint, "tokens": len(e.tokens),
+                                 "snapshot_bytes": len(payload),
+                                 "crc32": zlib.crc32(payload, zlib.crc32(tokens))}).encode()
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+                f.write(tokens)
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            size = path.stat().st_size
+        except OSError as err:
+            log.warning("prefix cache: cannot write %s: %s", path, err)
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                e.writing = False
+                self._forget_if_nowhere(e)
+            return
+        with self._lock:
+            e.writing, e.path, e.file_bytes = False, path, size
+            self.disk_bytes += size
+            self._evict_disk()
+
+    def _evict_disk(self) -> None:
+        if self.max_disk_bytes is None:
+            return
+        while self.disk_bytes > self.max_disk_bytes:
+            oldest = min((e for e in self._entries.values() if e.path is not None), key=lambda e: e.used)
+            self._drop_file(oldest)
+            self._forget_if_nowhere(oldest)
+
+    def _drop_file(self, e: _Entry) -> None:
+        try:
+            e.path.unlink(missing_ok=True)
+        except OSError as err:
+            log.warning("prefix cache: cannot remove %s: %s", e.path, err)
+        self.disk_bytes -= e.file_bytes
+        e.path, e.file_bytes = None, 0
+
+
+def _read_header(f) -> tuple[dict, np.ndarray]:
+    """Reads and checks a cache file's header and tokens; leaves `f` at the snapshot bytes."""
+    head = f.read(len(MAGIC) + 8)
+    if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
+        raise CorruptFile("not a Lily prefix-cache file (bad magic)")
+    (n,) = struct.unpack("<Q", head[len(MAGIC):])
+    if n > _MAX_HEADER:
+        raise CorruptFile(f"header of {n} bytes is too long")
+    try:
+        header = json.loads(f.read(n).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise CorruptFile(f"unreadable header: {err}") from err
+    fields = {"fingerprint": str, "tokens": int, "snapshot_bytes": int, "crc32": int}
+    if not isinstance(header, dict) or any(type(header.get(k)) is not t for k, t in fields.items()) \
+            or header["tokens"] < 0 or header["snapshot_bytes"] < 0:
+        raise CorruptFile(f"malformed header {header!r}")
+    expected = len(MAGIC) + 8 + n + 4 * header["tokens"] + header["snapshot_bytes"]
+    actual = os.fstat(f.fileno()).st_size
+    if actual != expected:
+        raise CorruptFile(f"{actual} bytes, the header describes {expected}")
+    tokens = np.frombuffer(f.read(4 * header["tokens"]), dtype="<i4").astype(np.int32)
+    return header, tokens
