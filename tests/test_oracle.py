@@ -202,3 +202,8 @@ def test_bad_inputs_raise(checkpoints, tmp_path):
         mlx_logits(checkpoints["a"], [1, text_config("a")["vocab_size"]])
     with pytest.raises(ValueError, match="empty token list"):
         mlx_logits_cached(checkpoints["a"], [[1, 2], []])
+
+
+def test_conftest_lists_every_geometry():
+    """tests/conftest.py names the geometries without importing mlx (GPU machines run the suite without it)."""
+    assert sorted(GEOMETRIES) == ["a", "b", "c"]

@@ -11,9 +11,12 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "core/sample.h"
 
 namespace lily {
 
@@ -45,6 +48,9 @@ struct AttnArgs {
   int rotary_dim;   // first rotary_dim dims of each head rotate (rotate-half pairing)
   float rope_theta;
   float eps;        // q/k RMSNorm epsilon
+  // Device copy of pos0, or null. When set, GPU kernels read the position from it (pos0 holds the same value),
+  // so that a captured decode step (CUDA graph) stays valid as the position advances.
+  const int32_t* pos_dev = nullptr;
 };
 
 struct GdnArgs {
@@ -66,6 +72,18 @@ struct MoeWeights {
   QMatrix shared_gate, shared_up, shared_down;  // [IS, H], [IS, H], [H, IS]
   QMatrix shared_expert_gate;  // [1, H] (8-bit in the release)
 };
+
+// Device-resident state of one generation's token selection (backend memory), for backends that select tokens
+// themselves so that a decode step needs no host round trip.
+struct DeviceSampler {
+  int32_t* counts = nullptr;  // [n_valid] times each id was generated (frequency / presence penalties)
+  uint8_t* seen = nullptr;    // [n_valid] 1 if the id is in the prompt or was generated (repetition penalty)
+  uint64_t* step = nullptr;   // tokens accepted so far (the counter of the draw)
+  int32_t* token = nullptr;   // the chosen token is written here: the next decode step's input
+  int32_t* results = nullptr; // [kResultSlots, 2]: token and logprob (float bits) of step s in slot s % kResultSlots
+  int32_t* pos = nullptr;     // if set, the session's device position: advanced by one (the token just fed)
+};
+constexpr int kResultSlots = 4;
 
 class Backend {
  public:
@@ -97,6 +115,10 @@ class Backend {
   virtual void add_rms_norm(float* x, const void* d, const float* w, int T, int H, float eps, void* out) = 0;
   // y = x · Wᵀ. x [T, K] activations; y [T, N], fp32 when y_f32 (logits) else activations.
   virtual void qmm(const QMatrix& W, const void* x, int T, void* y, bool y_f32) = 0;
+  // y[i] = x · W[i]ᵀ for n matrices reading the same x (activations out); a backend may run them as one launch.
+  virtual void qmm_multi(const QMatrix* W, int n, const void* x, int T, void* const* y) {
+    for (int i = 0; i < n; ++i) qmm(W[i], x, T, y[i], false);
+  }
 
   // Full attention (§4). qg [T, NH, 2·HD] (query then gate per head), k/v [T, NKV·HD]; q_norm/k_norm fp32 [HD].
   // Normalises and rotates q and k, appends k and v at rows pos0.. of the caches [cap, NKV, HD], runs causal
@@ -118,6 +140,25 @@ class Backend {
   // Sparse MoE block (§6): router softmax, top-k, renormalise, SwiGLU experts, shared expert with its sigmoid
   // gate. m, out [T, H].
   virtual void moe(const MoeArgs& a, const MoeWeights& w, const void* m, void* out) = 0;
+
+  // ---- decode without host round trips (optional) --------------------------------------------------------
+  // True if sample() can select tokens on the device with these parameters (core/sample.h rules and draw).
+  virtual bool can_sample(const SamplingParams& p, int n_valid) const { return false; }
+  // Selects the next token from logits fp32 [V] (ids ≥ n_valid never), writes it to st.token and st.result,
+  // records it in st.counts/st.seen and advances st.step. Enqueued like any op.
+  virtual void sample(const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st) {}
+  // Runs `record` (a fixed sequence of ops whose buffers and shapes depend only on `key`) as one replayable unit
+  // (a CUDA graph). The default runs it directly.
+  virtual void replay(uint64_t key, const std::function<void()>& record) { record(); }
+  // Drops every recorded unit (their buffers are about to change).
+  virtual void forget_replays() {}
+  // Enqueues the copy of results slot `slot` to the host; wait_result blocks until that copy has landed (work
+  // enqueued after fetch_result may still be running) and returns {token, logprob bits}.
+  virtual void fetch_result(const int32_t* results, int slot) { to_host(host_results_[slot], results + 2 * slot, 8); }
+  virtual void wait_result(int slot, int32_t out[2]) { out[0] = host_results_[slot][0], out[1] = host_results_[slot][1]; }
+
+ protected:
+  int32_t host_results_[kResultSlots][2] = {};
 };
 
 std::unique_ptr<Backend> make_backend(const std::string& name);

@@ -5,11 +5,23 @@
 namespace lily {
 
 std::unique_ptr<Backend> make_cpu_backend();
+#ifdef LILY_HAS_CUDA
+std::unique_ptr<Backend> make_cuda_backend();
+#endif
 
-std::vector<std::string> compiled_backends() { return {"cpu"}; }
+std::vector<std::string> compiled_backends() {
+  std::vector<std::string> names{"cpu"};
+#ifdef LILY_HAS_CUDA
+  names.push_back("cuda");
+#endif
+  return names;
+}
 
 std::unique_ptr<Backend> make_backend(const std::string& name) {
   if (name == "cpu") return make_cpu_backend();
+#ifdef LILY_HAS_CUDA
+  if (name == "cuda") return make_cuda_backend();
+#endif
   std::string known;
   for (auto& b : compiled_backends()) known += (known.empty() ? "" : ", ") + b;
   throw InputError(cat("unknown or unavailable backend '", name, "' (compiled in: ", known, ")"));

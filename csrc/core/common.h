@@ -1,10 +1,11 @@
 // common.h: errors, bf16 conversion, small helpers shared by every part of the core.
 #pragma once
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace lily {
 
@@ -13,11 +14,30 @@ struct InputError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// Message formatting without iostreams (they are not needed, and a module that links its own C++ runtime may
+// leave their locale uninitialised).
+inline std::string to_text(const std::string& s) { return s; }
+inline std::string to_text(const char* s) { return s; }
+inline std::string to_text(char c) { return std::string(1, c); }
+template <typename T>
+std::string to_text(const T& v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return v ? "true" : "false";
+  } else if constexpr (std::is_integral_v<T>) {
+    return std::to_string(v);
+  } else {
+    static_assert(std::is_floating_point_v<T>, "to_text: unsupported type");
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", double(v));
+    return buf;
+  }
+}
+
 template <typename... Args>
 std::string cat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (s += ... += to_text(args));
+  return s;
 }
 
 #define LILY_CHECK(cond, ...) \

@@ -105,12 +105,14 @@ Session::Session(const Model& model, int max_context, int prefill_chunk)
   }
   k_cache_.assign(c.num_full_attention_layers(), nullptr);
   v_cache_.assign(c.num_full_attention_layers(), nullptr);
+  pos_dev_ = static_cast<int32_t*>(be_.alloc(sizeof(int32_t)));
   reset();
 }
 
 Session::~Session() {
   for (auto* group : {&k_cache_, &v_cache_, &conv_, &work_})
     for (void* p : *group) be_.release(p);
+  be_.release(logits_);
   for (float* p : rec_) be_.release(p);
 }
 
@@ -120,6 +122,7 @@ void Session::reset() {
   for (float* p : rec_)
     be_.zero(p, size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4);
   pos_ = 0;
+  pos_dev_valid_ = false;
 }
 
 void Session::check_room(int n) const {
@@ -164,17 +167,16 @@ void Session::reserve_work(int T) {
   p3_ = take(t * std::max<size_t>(NV, NH * HD) * ab);
   p4_ = take(t * c.conv_dim() * ab);
   p5_ = take(t * c.value_dim() * ab);
-  logits_ = take(t * c.vocab_size * sizeof(float));
   work_T_ = T;
 }
 
-void Session::mixer_attention(const LayerWeights& L, int T, void* k_cache, void* v_cache) {
+void Session::mixer_attention(const LayerWeights& L, int T, void* k_cache, void* v_cache, bool device_pos) {
   const Config& c = model_.config();
   AttnArgs a{T, pos_, kv_cap_, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim(),
-             float(c.rope_theta), float(c.rms_norm_eps)};
-  be_.qmm(L.q_proj, a_, T, p0_, false);  // qg [T, NH, 2·HD]
-  be_.qmm(L.k_proj, a_, T, p1_, false);  // k  [T, NKV·HD]
-  be_.qmm(L.v_proj, a_, T, p2_, false);  // v  [T, NKV·HD]
+             float(c.rope_theta), float(c.rms_norm_eps), device_pos ? pos_dev_ : nullptr};
+  const QMatrix proj[3] = {L.q_proj, L.k_proj, L.v_proj};
+  void* const out[3] = {p0_, p1_, p2_};  // qg [T, NH, 2·HD], k [T, NKV·HD], v [T, NKV·HD]
+  be_.qmm_multi(proj, 3, a_, T, out);
   be_.attention(a, p0_, p1_, p2_, L.q_norm, L.k_norm, k_cache, v_cache, p3_);  // [T, NH·HD], gated
   be_.qmm(L.o_proj, p3_, T, d_, false);
 }
@@ -183,31 +185,31 @@ void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* r
   const Config& c = model_.config();
   GdnArgs a{T, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
             c.linear_conv_kernel_dim, float(c.rms_norm_eps)};
-  be_.qmm(L.in_proj_qkv, a_, T, p0_, false);  // X [T, conv_dim]
-  be_.qmm(L.in_proj_z, a_, T, p1_, false);    // z [T, NV·DV]
-  be_.qmm(L.in_proj_b, a_, T, p2_, false);    // b [T, NV]
-  be_.qmm(L.in_proj_a, a_, T, p3_, false);    // α [T, NV]
+  const QMatrix proj[4] = {L.in_proj_qkv, L.in_proj_z, L.in_proj_b, L.in_proj_a};
+  void* const out[4] = {p0_, p1_, p2_, p3_};  // X [T, conv_dim], z [T, NV·DV], b [T, NV], α [T, NV]
+  be_.qmm_multi(proj, 4, a_, T, out);
   be_.gdn_conv(a, p0_, L.conv1d, conv_state, p4_);                          // C = silu(conv(X)) [T, conv_dim]
   be_.gdn_scan(a, p4_, p2_, p3_, L.A_log, L.dt_bias, rec_state, p5_);       // y [T, NV, DV]
   be_.gdn_norm(a, p5_, p1_, L.gdn_norm, p0_);                               // o [T, NV·DV]
   be_.qmm(L.out_proj, p0_, T, d_, false);
 }
 
-void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits) {
+void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, bool device_pos) {
   const Config& c = model_.config();
   const Weights& W = model_.weights();
   const int H = c.hidden_size;
   const float eps = float(c.rms_norm_eps);
   reserve_work(T);
   reserve_kv(pos_ + T);
-  be_.to_device(tok_, tokens, size_t(T) * sizeof(int32_t));
+  if (tokens) be_.to_device(tok_, tokens, size_t(T) * sizeof(int32_t));
+  if (!device_pos) pos_dev_valid_ = false;
   be_.embed(W.embed, static_cast<const int32_t*>(tok_), T, x_);
   be_.rms_norm(x_, W.layers[0].input_norm, T, H, eps, a_);
   int attn_i = 0, gdn_i = 0;
   for (size_t il = 0; il < W.layers.size(); ++il) {
     const LayerWeights& L = W.layers[il];
     if (L.full_attention) {
-      mixer_attention(L, T, k_cache_[attn_i], v_cache_[attn_i]);
+      mixer_attention(L, T, k_cache_[attn_i], v_cache_[attn_i], device_pos);
       ++attn_i;
     } else {
       mixer_gdn(L, T, conv_[gdn_i], rec_[gdn_i]);
@@ -224,14 +226,65 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits) 
   processed_ += T;
   if (mode == Logits::None) return;
   const size_t V = c.vocab_size;
+  const int rows = mode == Logits::All ? T : 1;
+  if (rows > logits_rows_) {  // [rows, V] fp32: one row for generation, a chunk's worth for teacher forcing
+    be_.release(logits_);
+    logits_ = be_.alloc(size_t(rows) * V * sizeof(float));
+    logits_rows_ = rows;
+  }
   if (mode == Logits::All) {
     be_.qmm(W.lm_head, a_, T, logits_, true);
     be_.to_host(logits, logits_, size_t(T) * V * sizeof(float));
   } else {
     const char* last = static_cast<const char*>(a_) + size_t(T - 1) * H * be_.act_bytes();
     be_.qmm(W.lm_head, last, 1, logits_, true);
-    be_.to_host(logits, logits_, V * sizeof(float));
+    if (mode == Logits::Last) be_.to_host(logits, logits_, V * sizeof(float));
   }
+}
+
+int32_t* Session::token_buffer() {
+  reserve_work(1);
+  return static_cast<int32_t*>(tok_);
+}
+
+void Session::prefill_device(const int32_t* tokens, int n) {
+  LILY_CHECK(n >= 1, "prefill needs at least one token");
+  check_room(n);
+  check_tokens(tokens, n);
+  for (int i = 0; i < n; i += chunk_) {
+    const int T = std::min(chunk_, n - i);
+    forward(tokens + i, T, i + T == n ? Logits::Device : Logits::None, nullptr);
+  }
+}
+
+void Session::sample_device(const SamplingParams& p, int n_valid, const DeviceSampler& st) {
+  be_.sample(p, n_valid, static_cast<const float*>(logits_), st);
+}
+
+void Session::decode_device(const SamplingParams& p, int n_valid, const DeviceSampler& st, uint64_t key) {
+  check_room(1);
+  reserve_work(1);
+  reserve_kv(pos_ + 1);  // may reallocate the caches (and so drop recorded units) before recording
+  if (!pos_dev_valid_) {
+    be_.to_device(pos_dev_, &pos_, sizeof(int32_t));
+    pos_dev_valid_ = true;
+  }
+  if (logits_rows_ < 1) {
+    be_.release(logits_);
+    logits_ = be_.alloc(size_t(model_.config().vocab_size) * sizeof(float));
+    logits_rows_ = 1;
+  }
+  DeviceSampler advancing = st;
+  advancing.pos = pos_dev_;
+  const int pos = pos_;
+  const int64_t processed = processed_;
+  be_.replay(key * 0x9E3779B97F4A7C15ull + uint64_t(kv_cap_), [&] {
+    pos_ = pos;  // the unit is recorded once and replayed at later positions: everything positional is on the device
+    forward(nullptr, 1, Logits::Device, nullptr, true);
+    be_.sample(p, n_valid, static_cast<const float*>(logits_), advancing);
+  });
+  pos_ = pos + 1;  // whether the unit ran eagerly, was recorded or was replayed
+  processed_ = processed + 1;
 }
 
 void Session::check_tokens(const int32_t* tokens, int n) const {

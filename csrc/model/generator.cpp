@@ -1,6 +1,7 @@
 #include "model/generator.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "core/common.h"
 
@@ -9,29 +10,79 @@ namespace lily {
 Generator::Generator(Session& session, const SamplingParams& params, std::vector<int> eos_ids, int max_tokens,
                      int n_valid)
     : s_(session),
+      be_(session.backend()),
+      params_(params),
+      n_valid_(n_valid),
       sampler_(params, session.vocab_size(), n_valid),
       eos_(std::move(eos_ids)),
       max_tokens_(max_tokens),
       logits_(session.vocab_size()) {
   LILY_CHECK(max_tokens >= 0, "max_tokens must be ≥ 0, got ", max_tokens);
+  device_ = be_.can_sample(params, n_valid);
+  if (!device_) return;
+  static std::atomic<uint64_t> serials{1};
+  serial_ = serials++;
+  auto take = [&](size_t bytes) {
+    owned_.push_back(be_.alloc(bytes));
+    be_.zero(owned_.back(), bytes);
+    return owned_.back();
+  };
+  st_.counts = static_cast<int32_t*>(take(size_t(n_valid) * 4));
+  st_.seen = static_cast<uint8_t*>(take(size_t(n_valid)));
+  st_.step = static_cast<uint64_t*>(take(8));
+  st_.results = static_cast<int32_t*>(take(2 * kResultSlots * 4));
+  st_.token = s_.token_buffer();
+}
+
+Generator::~Generator() {
+  for (void* p : owned_) be_.release(p);
 }
 
 void Generator::prefill(const int32_t* tokens, int n, const int32_t* history, int n_history) {
   LILY_CHECK(n >= 1, "the prompt must add at least one token to the session");
-  s_.prefill(tokens, n, logits_.data());
-  sampler_.add_prompt(history, n_history);
+  sampler_.add_prompt(history, n_history);  // validates the ids (and, on the device path, marks them seen)
   sampler_.add_prompt(tokens, n);
+  if (!device_) {
+    s_.prefill(tokens, n, logits_.data());
+  } else {
+    std::vector<uint8_t> seen(n_valid_, 0);
+    for (int i = 0; i < n_history; ++i) seen[history[i]] = 1;
+    for (int i = 0; i < n; ++i) seen[tokens[i]] = 1;
+    be_.to_device(st_.seen, seen.data(), seen.size());
+    s_.prefill_device(tokens, n);
+    st_.token = s_.token_buffer();
+    if (max_tokens_ > 0) {
+      s_.sample_device(params_, n_valid_, st_);
+      be_.fetch_result(st_.results, 0);
+      enqueued_ = 1;
+    }
+  }
   ready_ = true;
 }
 
 GenStep Generator::next() {
   LILY_CHECK(ready_, "Generator.next() called before prefill()");
-  GenStep out;
   if (done_ || generated_ >= max_tokens_) {
     done_ = true;
+    GenStep out;
     out.finish = Finish::Length;
     return out;
   }
+  return device_ ? next_device() : next_host();
+}
+
+GenStep Generator::finish(GenStep out, int token) {
+  ++generated_;
+  if (std::find(eos_.begin(), eos_.end(), token) != eos_.end())
+    out.finish = Finish::Stop;
+  else if (generated_ >= max_tokens_)
+    out.finish = Finish::Length;
+  done_ = out.finish != Finish::None;
+  return out;
+}
+
+GenStep Generator::next_host() {
+  GenStep out;
   if (pending_ >= 0) {
     if (s_.position() >= s_.max_context()) {  // no room to feed the last token: the context is full
       done_ = true;
@@ -46,13 +97,29 @@ GenStep Generator::next() {
   out.logprob = r.logprob;
   out.top_ids = std::move(r.top_ids);
   out.top_logprobs = std::move(r.top_logprobs);
-  ++generated_;
-  if (std::find(eos_.begin(), eos_.end(), r.token) != eos_.end())
-    out.finish = Finish::Stop;
-  else if (generated_ >= max_tokens_)
+  return finish(std::move(out), r.token);
+}
+
+GenStep Generator::next_device() {
+  GenStep out;
+  const int k = generated_;
+  if (k >= enqueued_) {  // nothing was enqueued for this token: the context is full
+    done_ = true;
     out.finish = Finish::Length;
-  done_ = out.finish != Finish::None;
-  return out;
+    return out;
+  }
+  // Enqueue the step that feeds token k and selects token k+1 before waiting for token k.
+  if (k + 1 < max_tokens_ && s_.position() < s_.max_context()) {
+    s_.decode_device(params_, n_valid_, st_, serial_);
+    be_.fetch_result(st_.results, (k + 1) % kResultSlots);
+    enqueued_ = k + 2;
+  }
+  int32_t r[2];
+  be_.wait_result(k % kResultSlots, r);
+  out.token = r[0];
+  std::memcpy(&out.logprob, &r[1], 4);
+  sampler_.accept(r[0]);  // the host mirror of the history (penalties of a later host-path generation)
+  return finish(std::move(out), r[0]);
 }
 
 }  // namespace lily

@@ -19,10 +19,16 @@ struct GenStep {
   Finish finish = Finish::None;
 };
 
+// On a backend that selects tokens itself (Backend::can_sample), the loop runs on the device: each step feeds the
+// previous token and selects the next one without the host, the host enqueues step k+1 before it waits for token k,
+// and so the state then also holds the last returned token (Session::position() tells what it holds).
 class Generator {
  public:
   // n_valid: ids ≥ n_valid are vocabulary padding (never sampled).
   Generator(Session& session, const SamplingParams& params, std::vector<int> eos_ids, int max_tokens, int n_valid);
+  ~Generator();
+  Generator(const Generator&) = delete;
+  Generator& operator=(const Generator&) = delete;
 
   // Feeds the prompt's new tokens (n ≥ 1) and keeps the logits of the last one. `history` tokens already in the
   // session count for the repetition penalty.
@@ -30,12 +36,18 @@ class Generator {
   // One generated token. The previous one is fed to the model first, so the state always holds every token
   // except the last one returned (which is "pending").
   GenStep next();
-  int pending() const { return pending_; }
   int generated() const { return generated_; }
-  const std::vector<float>& logits() const { return logits_; }
+  bool on_device() const { return device_; }
 
  private:
+  GenStep next_host();
+  GenStep next_device();
+  GenStep finish(GenStep out, int token);
+
   Session& s_;
+  Backend& be_;
+  SamplingParams params_;
+  int n_valid_;
   Sampler sampler_;
   std::vector<int> eos_;
   int max_tokens_;
@@ -44,6 +56,12 @@ class Generator {
   bool ready_ = false;
   bool done_ = false;
   std::vector<float> logits_;
+  // device loop
+  bool device_ = false;
+  uint64_t serial_ = 0;  // distinguishes this generation's recorded decode step from earlier ones
+  int enqueued_ = 0;     // tokens whose selection has been enqueued
+  DeviceSampler st_;
+  std::vector<void*> owned_;
 };
 
 }  // namespace lily

@@ -53,6 +53,7 @@ class Session {
   int max_context() const { return max_context_; }
   int prefill_chunk() const { return chunk_; }
   int vocab_size() const { return model_.config().vocab_size; }
+  Backend& backend() const { return be_; }
   // Tokens this session has run through the model since it was made (prefill and decode).
   int64_t tokens_processed() const { return processed_; }
 
@@ -61,6 +62,15 @@ class Session {
   // Feeds n tokens and writes the fp32 logits of every one of them to logits [n, vocab] (teacher forcing).
   void forward_all(const int32_t* tokens, int n, float* logits);
   void reset();
+
+  // Device decoding, for backends that select tokens themselves (Backend::can_sample). prefill_device is prefill
+  // with the last logits left in device memory; decode_device feeds the token in token_buffer() (written there by
+  // the previous selection) and selects the next one, as one replayable unit per `key`.
+  void prefill_device(const int32_t* tokens, int n);
+  void sample_device(const SamplingParams& p, int n_valid, const DeviceSampler& st);
+  void decode_device(const SamplingParams& p, int n_valid, const DeviceSampler& st, uint64_t key);
+  int32_t* token_buffer();
+
   Snapshot snapshot() const;
   void restore(const Snapshot& s);
   // Checks that n more tokens fit; throws InputError otherwise.
@@ -69,11 +79,12 @@ class Session {
   void check_tokens(const int32_t* tokens, int n) const;
 
  private:
-  enum class Logits { None, Last, All };
-  void forward(const int32_t* tokens, int T, Logits mode, float* logits);
+  enum class Logits { None, Last, All, Device };
+  // tokens == null: the token ids are already in tok_ (device decode). device_pos: attention reads pos_dev_.
+  void forward(const int32_t* tokens, int T, Logits mode, float* logits, bool device_pos = false);
   void reserve_kv(int rows);
   void reserve_work(int T);
-  void mixer_attention(const LayerWeights& L, int T, void* k_cache, void* v_cache);
+  void mixer_attention(const LayerWeights& L, int T, void* k_cache, void* v_cache, bool device_pos);
   void mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state);
 
   const Model& model_;
@@ -90,7 +101,11 @@ class Session {
   std::vector<void*> work_;
   float* x_ = nullptr;  // the residual stream, fp32 on every backend
   void *tok_ = nullptr, *a_ = nullptr, *d_ = nullptr, *p0_ = nullptr, *p1_ = nullptr, *p2_ = nullptr,
-       *p3_ = nullptr, *p4_ = nullptr, *p5_ = nullptr, *logits_ = nullptr;
+       *p3_ = nullptr, *p4_ = nullptr, *p5_ = nullptr;
+  void* logits_ = nullptr;  // fp32 [logits_rows_, vocab]
+  int logits_rows_ = 0;
+  int32_t* pos_dev_ = nullptr;  // device copy of pos_ for replayed decode steps
+  bool pos_dev_valid_ = false;
 };
 
 }  // namespace lily

@@ -225,6 +225,6 @@ void init_model(nb::module_& m) {
            },
            "One step: (token, logprob, top_ids, top_logprobs, finish) with finish 0 none, 1 stop (EOS), "
            "2 length. token is -1 when nothing more can be generated.")
-      .def_prop_ro("pending", &Generator::pending)
+      .def_prop_ro("on_device", &Generator::on_device, "True when the decode loop selects tokens on the device.")
       .def_prop_ro("generated", &Generator::generated);
 }

@@ -170,6 +170,15 @@ std::function<void()> prepare(Backend& be, Runner& r, const std::string& op) {
     void* y = r.out("y", size_t(T) * W.N, y_f32);
     return [&be, W, x, T, y, y_f32] { be.qmm(W, x, T, y, y_f32); };
   }
+  if (op == "qmm_multi") {  // matrices W0.. W{n-1} reading the same x
+    const int T = r.i("T"), n = r.i("n");
+    std::vector<QMatrix> Ws;
+    std::vector<void*> ys;
+    for (int i = 0; i < n; ++i) Ws.push_back(r.q(cat("W", i), 0));
+    void* x = r.act("x");
+    for (int i = 0; i < n; ++i) ys.push_back(r.out(cat("y", i), size_t(T) * Ws[i].N, false));
+    return [&be, Ws, ys, x, T, n] { be.qmm_multi(Ws.data(), n, x, T, ys.data()); };
+  }
   if (op == "attention") {
     AttnArgs a{r.i("T"), r.i("pos0"), r.i("cache_cap"), r.i("NH"), r.i("NKV"), r.i("HD"), r.i("rotary_dim"),
                r.f("rope_theta"), r.f("eps")};

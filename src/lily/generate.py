@@ -62,6 +62,13 @@ class _StopMatcher:
         return out
 
 
+def _sync_tokens(session: Session, prompt_ids: list[int], generated: list[int]) -> None:
+    """session.tokens ← the tokens the state holds: the prompt and the generated tokens fed so far (the host loop
+    feeds each token when it samples the next; the device loop one step ahead)."""
+    fed = session.core.position - len(prompt_ids)
+    session.tokens.extend(generated[len(session.tokens) - len(prompt_ids):fed])
+
+
 def stream_generate(model: Model, prompt, *, session: Session | None = None, sampling: SamplingParams | None = None,
                     tools: list[dict] | None = None, enable_thinking: bool | None = None,
                     chat_template_kwargs: dict | None = None, **sampling_kwargs) -> Iterator[GenerationResponse]:
@@ -92,14 +99,17 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
     gen.prefill(as_tokens(new), as_tokens(prompt_ids[:cached]))
     session.tokens = list(prompt_ids)
     session.messages, session.pending, session.ended_on_eos = None, None, False
-    prompt_tps = len(new) / max(time.perf_counter() - t0, 1e-9)
+    prompt_tps = 0.0  # set at the first token: the device loop returns from prefill before the prefill is done
 
     detok = model.tokenizer.detokenizer()
     stop = _StopMatcher(params.stop)
     t1 = time.perf_counter()
-    n, prev, reply = 0, None, []
+    generated, reply = [], []
+    n = 0
     while True:
         token, logprob, top_ids, top_lps, finish = gen.next()
+        if not prompt_tps:  # time to the first token
+            prompt_tps = len(new) / max(time.perf_counter() - t0, 1e-9)
         stats = dict(prompt_tokens=len(prompt_ids), cached_tokens=cached, prompt_tps=prompt_tps,
                      peak_memory=model.core.peak_memory / 1e9)
         if token < 0:  # the context is full: nothing more can be generated
@@ -107,9 +117,9 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
                                      generation_tps=n / max(time.perf_counter() - t1, 1e-9),
                                      finish_reason="length", **stats)
             return
-        if prev is not None:  # next() fed the previous token to the model before sampling this one
-            session.tokens.append(prev)
-        prev, n = token, n + 1
+        generated.append(token)
+        n = len(generated)
+        _sync_tokens(session, prompt_ids, generated)
         reason = FINISH[finish]
         text, hit = stop.push("" if reason == "stop" else detok.add(token))  # an EOS token adds no text
         if hit:
@@ -119,7 +129,8 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         reply.append(text)
         if reason is not None and messages is not None:  # remember the conversation for the next turn
             session.messages = messages + [{"role": "assistant", "content": "".join(reply)}]
-            session.pending, session.ended_on_eos = token, token in model.eos_token_ids
+            session.pending = None if len(session.tokens) == len(prompt_ids) + n else token
+            session.ended_on_eos = token in model.eos_token_ids
         yield GenerationResponse(text, token, float(logprob), list(zip(top_ids, top_lps)), generation_tokens=n,
                                  generation_tps=n / max(time.perf_counter() - t1, 1e-9), finish_reason=reason,
                                  **stats)

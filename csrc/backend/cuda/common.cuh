@@ -1,0 +1,106 @@
+// common.cuh: what every CUDA op file shares: error checks, the launch context, bf16 helpers, warp reductions and
+// the MLX affine dequantisation (architecture.md §9.3). Device helpers are templates/inline so each .cu compiles
+// alone.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/common.h"
+
+namespace lily::cuda {
+
+using bf16 = __nv_bfloat16;
+
+#define LILY_CUDA_CHECK(expr)                                                                              \
+  do {                                                                                                     \
+    cudaError_t err_ = (expr);                                                                             \
+    if (err_ != cudaSuccess)                                                                               \
+      throw std::runtime_error(::lily::cat("CUDA error ", cudaGetErrorString(err_), " at ", __FILE__, ":", \
+                                           __LINE__, ": ", #expr));                                        \
+  } while (0)
+
+// Scratch slots: each op file owns its slots, so buffers never alias across ops of one forward pass.
+enum Slot : int {
+  kSlotMoeLogits, kSlotMoeRoute, kSlotMoeSort, kSlotMoeHidden, kSlotMoeOut, kSlotMoeShared,
+  kSlotAttnQ, kSlotAttnPartial,
+  kSlotGdn,
+  kSlotSample,
+  kNumSlots
+};
+
+// The launch context: one stream, the device's properties, and scratch buffers that grow on demand. Growth
+// happens only outside graph capture (the backend runs every shape once before capturing it).
+struct Ctx {
+  cudaStream_t stream = nullptr;
+  int num_sms = 132;
+  size_t smem_optin = 227 * 1024;  // max dynamic shared memory per block
+  void* scratch(int slot, size_t bytes);
+
+  void* buf[kNumSlots] = {};
+  size_t cap[kNumSlots] = {};
+  bool capturing = false;
+};
+
+// Largest T handled by the GEMV path (one pass over the weights, x in registers); above it, tensor-core GEMM.
+constexpr int kQmvMaxT = 8;
+
+__host__ __device__ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Sum over a block of blockDim.x threads (multiple of 32, ≤ 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float part[32];
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) part[wid] = v;
+  __syncthreads();
+  float r = lane < nw ? part[lane] : 0.0f;
+  return warp_sum(r);
+}
+
+__device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float bf16_bits_to_f(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x / (1.0f + __expf(-x)); }
+
+// Dequantise the 32/bits codes of one packed word: out[j] = s·q_j + b, element j at bit offset bits·j (LSB first).
+template <int BITS>
+__device__ __forceinline__ void dequant_word(uint32_t w, float s, float b, float* out) {
+  constexpr int n = 32 / BITS;
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+#pragma unroll
+  for (int j = 0; j < n; ++j) out[j] = fmaf(s, float((w >> (BITS * j)) & mask), b);
+}
+
+// Dispatch a runtime bit width (4 or 8) to a template parameter.
+template <typename F>
+void dispatch_bits(int bits, F&& f) {
+  if (bits == 4)
+    f(std::integral_constant<int, 4>{});
+  else if (bits == 8)
+    f(std::integral_constant<int, 8>{});
+  else
+    throw InputError(cat("CUDA backend: unsupported bit width ", bits));
+}
+
+inline void check_launch(const char* what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(cat("CUDA launch of ", what, " failed: ", cudaGetErrorString(e)));
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,609 @@
+// moe.cu: the sparse MoE block (architecture.md §6): router, softmax, top-k, SwiGLU experts, gated shared expert.
+//
+// Math     ℓ = m·W_routerᵀ;  P = softmax(ℓ) (fp32);  top-k by P, ties → lower expert id;
+//          ŵ_e = P_e / Σ_topk P (norm_topk_prob) else P_e;
+//          y_e = W_down[e]·(silu(W_gate[e]·m) ⊙ (W_up[e]·m));  s = W_sd·(silu(W_sg·m) ⊙ (W_su·m));
+//          γ = σ(m·w_seg);  out = Σ_topk ŵ_e·y_e + γ·s   (fp32 accumulation, bf16 out)
+//          Decode dots use the MLX identity per 32-code chunk of one group:
+//          Σ_k (s·q_k + b)·x_k = s·Σ q_k·x_k + b·Σ x_k, with q made a float by one byte permute (no I2F):
+//          4-bit gives 128 + q (so s·(Σ(128+q)x − 128·Σx)), 8-bit gives q exactly (2^23 + q − 2^23).
+// Layout   m, out bf16[T, H]; experts W_gate/W_up u32[E, I, H·bits/32], W_down u32[E, H, I·bits/32], s/b bf16
+//          [E, N, K/group] (§9.3); shared [IS, H], [IS, H], [H, IS]; router [E, H]; w_seg [1, H].
+//          Scratch: logits f32[T, E]; route {ids i32[T, k], ŵ f32[T, k], γ f32[T]};
+//          prefill: sort {offsets i32[E+1], rows i32[T·k], pos i32[T·k]}, h bf16[T·k, I], yd bf16[T·k, H],
+//          shared {g, u f32[T, IS], h bf16[T, IS], s bf16[T, H]};  decode: h f32[T, k+1, max(I, IS)].
+// Traffic  real shape (H 2048, E 256, k 8, I = IS 512, experts 4-bit, router/w_seg 8-bit), decode T=1:
+//          router 0.557 MB + 8 experts 14.156 MB + shared 1.769 MB + w_seg 2 KB = 16.48 MB per layer.
+// Work     decode 2·(256·2048 + 9·3·512·2048) = 57.7 MFLOP → 3.5 FLOP/B: bandwidth-bound.
+//          Floor: 16.48 MB @ 4.8 TB/s = 3.4 µs per layer (137 µs per token over 40 layers).
+//          Prefill T=4096: routed 206.2 + shared 25.8 + router 4.3 = 236 GFLOP per layer → 0.36 ms at 660 TFLOP/s
+//          (tensor cores, in moe_gemm/qmm); the kernels of this file only move T·k·H·2 B (128 MB at T=4096).
+// Mapping  Both paths: router logits by qmm (f32); moe_route_kernel: one warp per token, E/32 probabilities per
+//          lane, k rounds of warp argmax; the same warp computes γ.
+//          Prefill (T > kMoeDecodeMaxT, or shapes the decode kernels do not take): moe_sort_kernel, one block per
+//          expert, counts the (token, slot) pairs routed below / to it (offsets) and scatters its pairs in (token,
+//          slot) order (ballot prefix scan, no atomics) → rows, pos; moe_gemm gate+up (SwiGLU fused) → h;
+//          moe_gemm down → yd; shared expert by qmm + moe_swiglu_kernel + qmm; moe_combine_kernel: one thread
+//          per 8 outputs sums ŵ·yd[pos] over the k slots, then γ·s.
+//          Decode: moe_gate_up_kernel: block = (token, slot j ∈ k routed + shared, tile of rows); each warp
+//          holds its lanes' chunks of m (fp32) in registers and computes gate AND up rows with 16-byte code loads,
+//          SwiGLU in registers → h f32. Real shape: lane = 2 chunks of a row of 2048, 2 rows per warp with all 8
+//          code loads in flight, 4 warps per block, 9 × 64 blocks. moe_down_kernel: block = (token, tile of
+//          rb output rows), warp j = slot j (routed experts, then the shared one), each lane one 16-byte chunk of a
+//          row of W_down[e_j]; real shape: 16 lanes per row of 512, 8 rows per block (4 loads in flight per lane),
+//          256 blocks of 9 warps; the ŵ/γ-weighted partials meet in shared memory, summed in slot order.
+//          Registers (sm_90, -O3): gate_up 128 (4-bit) / 110 (8-bit), down 96 / 78, route 32-40, others ≤ 32;
+//          no spills.
+// Checks   shapes of every matrix against MoeArgs; bits 4/8; K % group == 0; 1 ≤ top_k ≤ min(E, 31); E ≤ 256;
+//          H % 8 == 0; m, out 16-byte aligned. The decode kernels also need: top_k ≤ 15, one bit width for
+//          gate/up/shared gate/up and one for down/shared down, H ≤ 2048, I and IS ≤ 1024 (4-bit) / 512 (8-bit),
+//          group a multiple of the 32 (4-bit) / 16 (8-bit) codes of a 16-byte chunk, 16-byte aligned codes;
+//          otherwise the prefill path runs (any T).
+// Ref      cpu/moe.cpp · Test tests/ops/cases.py op="moe" · Bench benchmarks/bench_ops.py -o moe
+// History  v1 (this)
+#include <algorithm>
+
+#include "backend/cuda/ops.cuh"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int kMoeDecodeMaxT = kQmvMaxT;  // T at most this: the fused decode kernels
+constexpr int kMaxExperts = 256;          // routing keeps E/32 ≤ 8 probabilities per lane
+constexpr int kRouteWarps = 4;            // tokens per routing block
+constexpr int kSortThreads = 1024;
+constexpr int kCombineThreads = 128;
+constexpr int kSwigluThreads = 256;
+constexpr int kGuWarps = 4;               // warps per gate_up block
+// Rows per gate_up warp (per lane group), all loaded before the first is used: 2 for 4-bit (64 x registers +
+// 8 code chunks fit 128 registers), 1 for 8-bit (its chunks hold half the codes, so twice the loads per row).
+template <int BITS>
+constexpr int kGuSteps = BITS == 4 ? 2 : 1;
+constexpr int kDownSteps = 4;             // row steps per down warp (of the widest row mapping)
+constexpr int kDownMaxWarps = 16;         // down block: k routed + 1 shared warps
+constexpr int kMaxHidden = 2048;          // decode: m chunks held in registers
+
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+int pow2_at_least(int v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// One matrix or a stack of E, as the kernels read it (the shapes come from MoeArgs). Expert e starts at row e·N.
+struct QStack {
+  const uint32_t* w;
+  const uint16_t* s;
+  const uint16_t* b;
+  int group;
+};
+QStack stack_of(const QMatrix& q) { return {q.w, q.scales, q.biases, q.group}; }
+
+// Where the routing lands: per token the k expert ids, their weights ŵ, and γ.
+struct Route {
+  int32_t* ids;
+  float* wts;
+  float* gamma;
+};
+
+// Everything the two decode kernels read. lpr_gu: lanes per row for K = H (a power of two ≤ 32);
+// rb_gu rows per gate_up block, tiles_gu blocks per slot; rb_down output rows per down block.
+struct DecodeArgs {
+  QStack gate, up, down, sgate, sup, sdown;
+  const bf16* m;
+  const int32_t* ids;
+  const float* wts;
+  const float* gamma;
+  float* h;  // [T, k+1, hs]
+  bf16* out;
+  int T, H, k, I, IS, hs;
+  int lpr_gu, rb_gu, tiles_gu, rb_down;
+};
+
+// ---- device helpers -----------------------------------------------------------------------------------------------
+
+// Sum over the lpr lanes (an aligned power-of-two group) that share a row; every lane gets its group's sum.
+__device__ __forceinline__ float group_sum(float v, int lpr) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    if (o < lpr) v += __shfl_xor_sync(0xffffffffu, v, o);  // lpr is warp-uniform
+  return v;
+}
+
+// 2·n bf16 packed in n words to fp32.
+template <int n>
+__device__ __forceinline__ void bf16_words_to_f(const uint32_t* w, float* f) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+// 8 bf16 (one 16-byte load) to fp32.
+__device__ __forceinline__ void bf16x8_to_f(uint4 u, float* f) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  bf16_words_to_f<4>(w, f);
+}
+
+// Dot of one 16-byte chunk of codes (128/BITS codes, all in one group with scale s and bias b) with x[0..codes),
+// whose sum is xs:  Σ (s·q + b)·x = s·Σ q·x + b·xs.
+template <int BITS>
+__device__ __forceinline__ float chunk_dot(uint4 q, const float* x, float xs, float s, float b) {
+  const uint32_t wd[4] = {q.x, q.y, q.z, q.w};
+  float a0 = 0.0f, a1 = 0.0f;
+  if constexpr (BITS == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      // byte j of lo holds code 2j, of hi code 2j+1; under exponent byte 0x43 a code byte reads 128 + q
+      const uint32_t lo = wd[i] & 0x0F0F0F0Fu, hi = (wd[i] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t sel = 0x7044u | (uint32_t(j) << 8);  // bytes: 0, 0, code byte j, 0x43
+        a0 = fmaf(__uint_as_float(__byte_perm(lo, 0x43000000u, sel)), x[8 * i + 2 * j], a0);
+        a1 = fmaf(__uint_as_float(__byte_perm(hi, 0x43000000u, sel)), x[8 * i + 2 * j + 1], a1);
+      }
+    }
+    return s * ((a0 + a1) - 128.0f * xs) + b * xs;  // s·Σ(128 + q)·x − 128·s·Σx + b·Σx
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // bytes: code byte j, 0, 0, 0x4B → 2^23 + q, minus 2^23 exactly
+        const float qf = __uint_as_float(__byte_perm(wd[i], 0x4B000000u, 0x7440u | uint32_t(j))) - 8388608.0f;
+        if (j & 1)
+          a1 = fmaf(qf, x[4 * i + j], a1);
+        else
+          a0 = fmaf(qf, x[4 * i + j], a0);
+      }
+    }
+    return s * (a0 + a1) + b * xs;
+  }
+}
+
+__device__ __forceinline__ uint4 load16(const uint32_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// ---- kernels: routing (both paths) --------------------------------------------------------------------------------
+
+// One warp per token t: P = softmax(logits[t]), the top-k (ties → lower id), ŵ, and γ = σ(m[t]·w_seg).
+template <int SEG_BITS>
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    moe_route_kernel(const float* logits, const bf16* m, QStack seg, int T, int E, int k, int H, bool norm_topk,
+                     Route r) {
+  constexpr int kPer = kMaxExperts / 32;
+  const int lane = threadIdx.x & 31, t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
+  if (t >= T) return;  // whole warps only; no block barrier below
+  const float* lr = logits + size_t(t) * E;
+  float p[kPer];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? lr[e] : -INFINITY;
+    mx = fmaxf(mx, p[i]);
+  }
+  mx = warp_max(mx);
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    p[i] = lane + 32 * i < E ? expf(p[i] - mx) : 0.0f;  // exp(ℓ − max ℓ)
+    sum += p[i];
+  }
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < E ? p[i] / sum : -1.0f;  // P; -1 marks "not a candidate"
+
+  // k rounds of argmax over (P desc, id asc); the winner is marked -1. Lane j keeps round j's winner.
+  float mine = 0.0f, topsum = 0.0f;
+  int mine_id = 0;
+  for (int j = 0; j < k; ++j) {
+    float v = -2.0f;
+    int id = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (p[i] > v) {  // ids ascend with i: strict > keeps the lower id on a tie
+        v = p[i];
+        id = lane + 32 * i;
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+      const int oid = __shfl_xor_sync(0xffffffffu, id, o);
+      if (ov > v || (ov == v && oid < id)) {
+        v = ov;
+        id = oid;
+      }
+    }
+    if (lane == j) {
+      mine = v;
+      mine_id = id;
+    }
+    topsum += v;  // Σ_topk P, in the reference's order (descending P)
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (lane + 32 * i == id) p[i] = -1.0f;
+  }
+  if (lane < k) {
+    r.ids[size_t(t) * k + lane] = mine_id;
+    r.wts[size_t(t) * k + lane] = norm_topk ? mine / topsum : mine;  // ŵ = P / Σ_topk P
+  }
+
+  // γ = σ(m[t]·w_seg): lane owns packed words lane, lane + 32, … and the kPerWord values of m under each.
+  constexpr int kPerWord = 32 / SEG_BITS;
+  const int words = H / kPerWord;
+  const bf16* mr = m + size_t(t) * H;
+  float dot = 0.0f;
+#pragma unroll 4
+  for (int wi = lane; wi < words; wi += 32) {
+    const int g = wi * kPerWord / seg.group;  // group % kPerWord == 0: a word stays in one group
+    uint32_t xw[kPerWord / 2];
+    if constexpr (kPerWord == 8) {
+      const uint4 u = *reinterpret_cast<const uint4*>(mr + wi * kPerWord);
+      xw[0] = u.x, xw[1] = u.y, xw[2] = u.z, xw[3] = u.w;
+    } else {
+      const uint2 u = *reinterpret_cast<const uint2*>(mr + wi * kPerWord);
+      xw[0] = u.x, xw[1] = u.y;
+    }
+    float v[kPerWord], xv[kPerWord];
+    dequant_word<SEG_BITS>(seg.w[wi], bf16_bits_to_f(seg.s[g]), bf16_bits_to_f(seg.b[g]), v);
+    bf16_words_to_f<kPerWord / 2>(xw, xv);
+#pragma unroll
+    for (int j = 0; j < kPerWord; ++j) dot = fmaf(v[j], xv[j], dot);
+  }
+  dot = warp_sum(dot);
+  if (lane == 0) r.gamma[t] = 1.0f / (1.0f + expf(-dot));
+}
+
+// ---- kernels: prefill ---------------------------------------------------------------------------------------------
+
+// Block e: offsets[e] = #pairs routed to experts < e (offsets[E] = T·k from the last block), then its own pairs
+// p = t·k + j in increasing p: rows[offsets[e] + rank] = t, pos[p] = offsets[e] + rank. Deterministic, no atomics.
+__global__ void __launch_bounds__(kSortThreads)
+    moe_sort_kernel(const int32_t* ids, int P, int k, int E, int32_t* offsets, int32_t* rows, int32_t* pos) {
+  __shared__ int warp_n[kSortThreads / 32];
+  const int e = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+  int below = 0, here = 0;
+  for (int base = 0; base < P; base += blockDim.x) {
+    const int p = base + tid;
+    const int id = p < P ? ids[p] : E;
+    below += __syncthreads_count(id < e);
+    here += __syncthreads_count(id == e);
+  }
+  if (tid == 0) {
+    offsets[e] = below;
+    if (e == E - 1) offsets[E] = below + here;
+  }
+  if (here == 0) return;  // uniform across the block
+  int next = below;
+  for (int base = 0; base < P; base += blockDim.x) {
+    const int p = base + tid;
+    const bool mine = p < P && ids[p] == e;
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0) warp_n[wid] = __popc(ballot);
+    __syncthreads();
+    int before = 0, total = 0;
+    for (int w = 0; w < nw; ++w) {
+      const int c = warp_n[w];
+      before += w < wid ? c : 0;
+      total += c;
+    }
+    if (mine) {
+      const int at = next + before + __popc(ballot & ((1u << lane) - 1u));
+      rows[at] = p / k;
+      pos[p] = at;
+    }
+    next += total;
+    __syncthreads();  // warp_n is rewritten next round
+  }
+}
+
+// h = silu(g) ⊙ u for the shared expert (prefill): g, u f32, h bf16, n values.
+__global__ void __launch_bounds__(kSwigluThreads)
+    moe_swiglu_kernel(const float* g, const float* u, size_t n, bf16* h) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    h[i] = __float2bfloat16(siluf_(g[i]) * u[i]);
+}
+
+// out[t, n] = Σ_j ŵ[t, j]·yd[pos[t, j], n] + γ_t·s[t, n]; thread = 8 consecutive n of token blockIdx.y.
+__global__ void __launch_bounds__(kCombineThreads)
+    moe_combine_kernel(const bf16* yd, const bf16* s, const int32_t* pos, Route r, int H, int k, bf16* out) {
+  const int t = blockIdx.y, n = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (n >= H) return;
+  float acc[8] = {}, v[8];
+  for (int j = 0; j < k; ++j) {
+    const size_t row = size_t(pos[size_t(t) * k + j]);
+    const float wj = r.wts[size_t(t) * k + j];
+    bf16x8_to_f(*reinterpret_cast<const uint4*>(yd + row * H + n), v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = fmaf(wj, v[i], acc[i]);  // + ŵ_e·y_e
+  }
+  const float g = r.gamma[t];
+  bf16x8_to_f(*reinterpret_cast<const uint4*>(s + size_t(t) * H + n), v);
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 pr =
+        __floats2bfloat162_rn(fmaf(g, v[2 * i], acc[2 * i]), fmaf(g, v[2 * i + 1], acc[2 * i + 1]));  // + γ·s
+    o[i] = *reinterpret_cast<const uint32_t*>(&pr);
+  }
+  *reinterpret_cast<uint4*>(out + size_t(t) * H + n) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// ---- kernels: decode ----------------------------------------------------------------------------------------------
+// Loads are never predicated: a row past N or a chunk past the row's end reads a clamped, valid address. A chunk
+// past the end has x = 0 (so it adds exactly 0); a row past N is computed but not stored.
+
+// Block (slot j, tile) of token blockIdx.y; slot j < k is routed expert ids[t, j], slot k the shared expert.
+// Lane (row rsub = lane / lpr, sub = lane % lpr) owns chunks c = sub + lpr·i of m (CODES values each, fp32 in
+// registers) and of every gate/up row it visits; warp w visits rows n_block + (w·kGuSteps + st)·rpw + rsub, all
+// kGuSteps rows' codes loaded before the first is used. h[t, j, n] = silu(gate_n·m) · (up_n·m).
+template <int BITS>
+__global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __grid_constant__ DecodeArgs a) {
+  constexpr int CODES = 128 / BITS, CPL = kMaxHidden / CODES / 32;  // codes per 16 B; chunks per lane, at most
+  const int t = blockIdx.y, j = blockIdx.x / a.tiles_gu, tile = blockIdx.x % a.tiles_gu;
+  const bool shared = j == a.k;
+  const int N = shared ? a.IS : a.I, n_block = tile * a.rb_gu;
+  if (n_block >= N) return;  // whole block; no barrier in this kernel
+  const size_t e = shared ? 0 : size_t(a.ids[t * a.k + j]);
+  const QStack G = shared ? a.sgate : a.gate, U = shared ? a.sup : a.up;
+  const int wpr = a.H * BITS / 32, gpr_g = a.H / G.group, gpr_u = a.H / U.group, chunks = a.H / CODES;
+  const uint32_t* gw = G.w + e * N * wpr;
+  const uint32_t* uw = U.w + e * N * wpr;
+  const uint16_t *gs = G.s + e * N * gpr_g, *gb = G.b + e * N * gpr_g;
+  const uint16_t *us = U.s + e * N * gpr_u, *ub = U.b + e * N * gpr_u;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, lpr = a.lpr_gu, rpw = 32 / lpr;
+  const int sub = lane & (lpr - 1), rsub = lane / lpr;
+  // Issue every load before the first use: m's chunks (raw bf16), then the codes, scales and biases.
+  uint4 xr[CPL][CODES / 8];
+  const bf16* mr = a.m + size_t(t) * a.H;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i)
+#pragma unroll
+    for (int v = 0; v < CODES / 8; ++v)
+      xr[i][v] = *reinterpret_cast<const uint4*>(mr + min(sub + lpr * i, chunks - 1) * CODES + 8 * v);
+  const int n_warp = n_block + warp * kGuSteps<BITS> * rpw + rsub;
+  uint4 qg[kGuSteps<BITS>][CPL], qu[kGuSteps<BITS>][CPL];
+  uint16_t sg[kGuSteps<BITS>][CPL], bg[kGuSteps<BITS>][CPL], su[kGuSteps<BITS>][CPL], bu[kGuSteps<BITS>][CPL];
+#pragma unroll
+  for (int st = 0; st < kGuSteps<BITS>; ++st) {
+    const size_t n = size_t(min(n_warp + st * rpw, N - 1));
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = min(sub + lpr * i, chunks - 1);
+      qg[st][i] = load16(gw + n * wpr + c * 4);
+      qu[st][i] = load16(uw + n * wpr + c * 4);
+      const int kg = c * CODES / G.group, ku = c * CODES / U.group;
+      sg[st][i] = gs[n * gpr_g + kg];
+      bg[st][i] = gb[n * gpr_g + kg];
+      su[st][i] = us[n * gpr_u + ku];
+      bu[st][i] = ub[n * gpr_u + ku];
+    }
+  }
+  float x[CPL][CODES], xs[CPL];
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const bool chunk = sub + lpr * i < chunks;
+#pragma unroll
+    for (int v = 0; v < CODES / 8; ++v) bf16x8_to_f(chunk ? xr[i][v] : make_uint4(0, 0, 0, 0), &x[i][8 * v]);
+    xs[i] = 0.0f;
+#pragma unroll
+    for (int q = 0; q < CODES; ++q) xs[i] += x[i][q];
+  }
+  float* hr = a.h + (size_t(t) * (a.k + 1) + j) * a.hs;
+#pragma unroll
+  for (int st = 0; st < kGuSteps<BITS>; ++st) {
+    float g = 0.0f, u = 0.0f;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      g += chunk_dot<BITS>(qg[st][i], x[i], xs[i], bf16_bits_to_f(sg[st][i]), bf16_bits_to_f(bg[st][i]));
+      u += chunk_dot<BITS>(qu[st][i], x[i], xs[i], bf16_bits_to_f(su[st][i]), bf16_bits_to_f(bu[st][i]));
+    }
+    g = group_sum(g, lpr);
+    u = group_sum(u, lpr);
+    const int n = n_warp + st * rpw;
+    if (n < N && sub == 0) hr[n] = siluf_(g) * u;  // silu(W_gate·m) ⊙ (W_up·m)
+  }
+}
+
+// Block = rb_down output rows n0.. of token blockIdx.y; warp j = slot j (j < k: W_down[ids[t, j]] with weight
+// ŵ[t, j]; j = k: W_sd with weight γ_t). Lane (rsub = lane / lpr, c = lane % lpr) holds chunk c of h[t, j] and
+// dots it with chunk c of rows n0 + r + rsub, kDownSteps rows per batch, all loaded first; the weighted partials
+// meet in shared memory and are summed in slot order.
+template <int BITS>
+__global__ void __launch_bounds__(kDownMaxWarps * 32) moe_down_kernel(const __grid_constant__ DecodeArgs a) {
+  constexpr int CODES = 128 / BITS;
+  extern __shared__ float part[];  // [k+1][rb_down]
+  const int t = blockIdx.y, n0 = blockIdx.x * a.rb_down, rb = a.rb_down;
+  const int j = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool shared = j == a.k;
+  const int K = shared ? a.IS : a.I;
+  const QStack D = shared ? a.sdown : a.down;
+  const size_t e = shared ? 0 : size_t(a.ids[t * a.k + j]);
+  const float wj = shared ? a.gamma[t] : a.wts[t * a.k + j];
+  const int chunks = K / CODES, wpr = K * BITS / 32, gpr = K / D.group;
+  int lpr = 1;
+  while (lpr < chunks) lpr <<= 1;  // chunks ≤ 32
+  const int rpw = 32 / lpr, c = lane & (lpr - 1), rsub = lane / lpr, cc = min(c, chunks - 1);
+  const uint32_t* w = D.w + e * a.H * wpr + cc * 4;
+  const int kg = cc * CODES / D.group;
+  const uint16_t *ds = D.s + e * a.H * gpr + kg, *db = D.b + e * a.H * gpr + kg;
+
+  // x: chunk c of h[t, j] (0 past the row's end), loaded before the codes; xs = Σ x computed after them.
+  float x[CODES];
+  const float* hr = a.h + (size_t(t) * (a.k + 1) + j) * a.hs + cc * CODES;
+#pragma unroll
+  for (int v = 0; v < CODES / 4; ++v) {
+    const float4 f = *reinterpret_cast<const float4*>(hr + 4 * v);
+    x[4 * v] = f.x;
+    x[4 * v + 1] = f.y;
+    x[4 * v + 2] = f.z;
+    x[4 * v + 3] = f.w;
+  }
+
+  for (int r0 = 0; r0 < rb; r0 += kDownSteps * rpw) {  // rb is a multiple of kDownSteps·rpw
+    uint4 q[kDownSteps];
+    uint16_t s[kDownSteps], b[kDownSteps];
+#pragma unroll
+    for (int st = 0; st < kDownSteps; ++st) {
+      const size_t n = size_t(min(n0 + r0 + st * rpw + rsub, a.H - 1));
+      q[st] = load16(w + n * wpr);
+      s[st] = ds[n * gpr];
+      b[st] = db[n * gpr];
+    }
+    float xs = 0.0f;
+#pragma unroll
+    for (int i = 0; i < CODES; ++i) {
+      if (c >= chunks) x[i] = 0.0f;
+      xs += x[i];
+    }
+#pragma unroll
+    for (int st = 0; st < kDownSteps; ++st) {
+      const float v = group_sum(chunk_dot<BITS>(q[st], x, xs, bf16_bits_to_f(s[st]), bf16_bits_to_f(b[st])), lpr);
+      if (c == 0) part[j * rb + r0 + st * rpw + rsub] = wj * v;  // ŵ_e·y_e[n] or γ·s[n]
+    }
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < rb; r += blockDim.x) {
+    const int n = n0 + r;
+    if (n >= a.H) break;
+    float acc = 0.0f;
+    for (int jj = 0; jj <= a.k; ++jj) acc += part[jj * rb + r];
+    a.out[size_t(t) * a.H + n] = __float2bfloat16(acc);
+  }
+}
+
+// ---- launcher helpers ---------------------------------------------------------------------------------------------
+
+void check_matrix(const QMatrix& q, const char* name, int E, int N, int K) {
+  LILY_CHECK(q.w && q.scales && q.biases, "moe: ", name, " has a null codes/scales/biases pointer");
+  LILY_CHECK(q.E == E && q.N == N && q.K == K, "moe: ", name, " is [", q.E, ", ", q.N, ", ", q.K, "], expected [",
+             E, ", ", N, ", ", K, "]");
+  LILY_CHECK(q.bits == 4 || q.bits == 8, "moe: ", name, " has bits=", q.bits, " (4 or 8 supported)");
+  LILY_CHECK(q.group > 0 && q.group % (32 / q.bits) == 0 && K % q.group == 0, "moe: ", name, " has group=", q.group,
+             ", which must divide K=", K, " and be a multiple of ", 32 / q.bits);
+}
+
+// Whether the decode kernels take these shapes: a row of K codes splits into 16-byte chunks that stay in one group.
+bool chunks_fit(const QMatrix& q, int bits, int max_chunks) {
+  const int codes = 128 / bits;
+  return q.bits == bits && q.K % codes == 0 && q.K / codes <= max_chunks && q.group % codes == 0 && aligned(q.w, 16);
+}
+
+bool decode_fits(const MoeArgs& a, const MoeWeights& w) {
+  const int gb = w.gate.bits, db = w.down.bits;
+  const int gu_max = kMaxHidden * gb / 128;  // chunks of a row of H the registers hold (CPL · 32)
+  return a.top_k + 1 <= kDownMaxWarps && chunks_fit(w.gate, gb, gu_max) && chunks_fit(w.up, gb, gu_max) &&
+         chunks_fit(w.shared_gate, gb, gu_max) && chunks_fit(w.shared_up, gb, gu_max) && chunks_fit(w.down, db, 32) &&
+         chunks_fit(w.shared_down, db, 32);
+}
+
+void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Route& r, bf16* out) {
+  DecodeArgs d{};
+  d.gate = stack_of(w.gate), d.up = stack_of(w.up), d.down = stack_of(w.down);
+  d.sgate = stack_of(w.shared_gate), d.sup = stack_of(w.shared_up), d.sdown = stack_of(w.shared_down);
+  d.m = m, d.ids = r.ids, d.wts = r.wts, d.gamma = r.gamma, d.out = out;
+  d.T = a.T, d.H = a.H, d.k = a.top_k, d.I = a.I, d.IS = a.IS, d.hs = std::max(a.I, a.IS);
+  d.h = static_cast<float*>(ctx.scratch(kSlotMoeHidden, size_t(a.T) * (a.top_k + 1) * d.hs * sizeof(float)));
+
+  dispatch_bits(w.gate.bits, [&](auto bits) {
+    constexpr int BITS = decltype(bits)::value;
+    const int chunks = a.H * BITS / 128;
+    d.lpr_gu = chunks >= 32 ? 32 : pow2_at_least(chunks);
+    d.rb_gu = kGuWarps * kGuSteps<BITS> * (32 / d.lpr_gu);
+    d.tiles_gu = int(cdiv(d.hs, d.rb_gu));
+    const dim3 grid(unsigned((a.top_k + 1) * d.tiles_gu), unsigned(a.T));
+    moe_gate_up_kernel<BITS><<<grid, kGuWarps * 32, 0, ctx.stream>>>(d);
+  });
+  check_launch("moe_gate_up_kernel");
+
+  dispatch_bits(w.down.bits, [&](auto bits) {
+    constexpr int BITS = decltype(bits)::value;
+    const int rpw = 32 / std::min(pow2_at_least(a.I * BITS / 128), pow2_at_least(a.IS * BITS / 128));
+    d.rb_down = kDownSteps * rpw;  // a multiple of both slots' rows per warp step
+    const dim3 grid(unsigned(cdiv(a.H, d.rb_down)), unsigned(a.T));
+    const size_t smem = size_t(a.top_k + 1) * d.rb_down * sizeof(float);
+    moe_down_kernel<BITS><<<grid, 32 * (a.top_k + 1), smem, ctx.stream>>>(d);
+  });
+  check_launch("moe_down_kernel");
+}
+
+void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Route& r, bf16* out) {
+  const int T = a.T, k = a.top_k, E = a.E, H = a.H, I = a.I, IS = a.IS, P = T * k;
+
+  char* sb = static_cast<char*>(ctx.scratch(kSlotMoeSort, align256((E + 1) * 4) + 2 * align256(size_t(P) * 4)));
+  int32_t* offsets = reinterpret_cast<int32_t*>(sb);
+  int32_t* rows = reinterpret_cast<int32_t*>(sb + align256((E + 1) * 4));
+  int32_t* pos = reinterpret_cast<int32_t*>(sb + align256((E + 1) * 4) + align256(size_t(P) * 4));
+  moe_sort_kernel<<<E, kSortThreads, 0, ctx.stream>>>(r.ids, P, k, E, offsets, rows, pos);
+  check_launch("moe_sort_kernel");
+
+  bf16* h = static_cast<bf16*>(ctx.scratch(kSlotMoeHidden, size_t(P) * I * sizeof(bf16)));
+  bf16* yd = static_cast<bf16*>(ctx.scratch(kSlotMoeOut, size_t(P) * H * sizeof(bf16)));
+  moe_gemm(ctx, w.gate, &w.up, offsets, rows, P, m, h);       // h = silu(m·W_gateᵀ) ⊙ (m·W_upᵀ), sorted rows
+  moe_gemm(ctx, w.down, nullptr, offsets, nullptr, P, h, yd);  // yd = h·W_downᵀ, same sorted rows
+
+  const size_t gu = align256(size_t(T) * IS * sizeof(float)), hb = align256(size_t(T) * IS * sizeof(bf16));
+  char* shb = static_cast<char*>(ctx.scratch(kSlotMoeShared, 2 * gu + hb + size_t(T) * H * sizeof(bf16)));
+  float* sg = reinterpret_cast<float*>(shb);
+  float* su = reinterpret_cast<float*>(shb + gu);
+  bf16* sh = reinterpret_cast<bf16*>(shb + 2 * gu);
+  bf16* s = reinterpret_cast<bf16*>(shb + 2 * gu + hb);
+  qmm(ctx, w.shared_gate, m, T, sg, true);
+  qmm(ctx, w.shared_up, m, T, su, true);
+  const size_t n = size_t(T) * IS;
+  const int blocks = int(std::min<size_t>(cdiv(n, kSwigluThreads), size_t(ctx.num_sms) * 8));
+  moe_swiglu_kernel<<<blocks, kSwigluThreads, 0, ctx.stream>>>(sg, su, n, sh);
+  check_launch("moe_swiglu_kernel");
+  qmm(ctx, w.shared_down, sh, T, s, false);
+
+  const dim3 grid(unsigned(cdiv(H / 8, kCombineThreads)), unsigned(T));
+  moe_combine_kernel<<<grid, kCombineThreads, 0, ctx.stream>>>(yd, s, pos, r, H, k, out);
+  check_launch("moe_combine_kernel");
+}
+
+}  // namespace
+
+// ---- launcher -----------------------------------------------------------------------------------------------------
+
+void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out) {
+  LILY_CHECK(a.T >= 0, "moe: T = ", a.T, " is negative");
+  LILY_CHECK(a.E >= 1 && a.E <= kMaxExperts, "moe: E = ", a.E, " must be in [1, ", kMaxExperts, "]");
+  LILY_CHECK(a.top_k >= 1 && a.top_k <= std::min(a.E, 31), "moe: top_k = ", a.top_k, " must be in [1, min(E, 31)]");
+  LILY_CHECK(a.H > 0 && a.H % 8 == 0, "moe: H = ", a.H, " must be a positive multiple of 8");
+  LILY_CHECK(a.I > 0 && a.IS > 0, "moe: I = ", a.I, " and IS = ", a.IS, " must be positive");
+  check_matrix(w.router, "router", 1, a.E, a.H);
+  check_matrix(w.gate, "gate", a.E, a.I, a.H);
+  check_matrix(w.up, "up", a.E, a.I, a.H);
+  check_matrix(w.down, "down", a.E, a.H, a.I);
+  check_matrix(w.shared_gate, "shared_gate", 1, a.IS, a.H);
+  check_matrix(w.shared_up, "shared_up", 1, a.IS, a.H);
+  check_matrix(w.shared_down, "shared_down", 1, a.H, a.IS);
+  check_matrix(w.shared_expert_gate, "shared_expert_gate", 1, 1, a.H);
+  LILY_CHECK(aligned(m, 16) && aligned(out, 16), "moe: m and out must be 16-byte aligned");
+  LILY_CHECK(int64_t(a.T) * a.top_k * std::max(a.H, std::max(a.I, a.IS)) < (int64_t(1) << 31),
+             "moe: T·top_k·max(H, I, IS) must stay below 2^31");
+  if (a.T == 0) return;
+
+  float* logits = static_cast<float*>(ctx.scratch(kSlotMoeLogits, size_t(a.T) * a.E * sizeof(float)));
+  const size_t tk = align256(size_t(a.T) * a.top_k * 4);
+  char* rb = static_cast<char*>(ctx.scratch(kSlotMoeRoute, 2 * tk + size_t(a.T) * sizeof(float)));
+  const Route r{reinterpret_cast<int32_t*>(rb), reinterpret_cast<float*>(rb + tk),
+                reinterpret_cast<float*>(rb + 2 * tk)};
+
+  qmm(ctx, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
+  dispatch_bits(w.shared_expert_gate.bits, [&](auto bits) {
+    constexpr int BITS = decltype(bits)::value;
+    moe_route_kernel<BITS><<<unsigned(cdiv(a.T, kRouteWarps)), kRouteWarps * 32, 0, ctx.stream>>>(
+        logits, m, stack_of(w.shared_expert_gate), a.T, a.E, a.top_k, a.H, a.norm_topk_prob, r);
+  });
+  check_launch("moe_route_kernel");
+
+  if (a.T <= kMoeDecodeMaxT && decode_fits(a, w))
+    moe_decode(ctx, a, w, m, r, out);
+  else
+    moe_prefill(ctx, a, w, m, r, out);
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,49 @@
+// ops.cuh: the CUDA ops, one launcher per Backend method (backend.h gives their math and layouts) plus the GEMM
+// building blocks the MoE op shares. Activations are bf16; fp32 where backend.h says so. Every launcher enqueues
+// on ctx.stream, never synchronises, never allocates except through ctx.scratch, and ends with check_launch.
+#pragma once
+#include "backend/cuda/common.cuh"
+
+namespace lily::cuda {
+
+// norm.cu
+void embed(Ctx& ctx, const QMatrix& table, const int32_t* tokens, int T, float* x);
+void rms_norm(Ctx& ctx, const float* x, const float* w, int T, int H, float eps, bf16* out);
+void add_rms_norm(Ctx& ctx, float* x, const bf16* d, const float* w, int T, int H, float eps, bf16* out);
+
+// qmv.cu: y[T, N] = x[T, K] · Wᵀ for T ≤ kQmvMaxT, streaming W once (decode). qmv_multi does the same for n ≤ 4
+// matrices of equal K, bits and group size that read the same x, in one launch.
+void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
+void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32);
+// qmm.cu: any T; T ≤ kQmvMaxT goes to qmv, larger T to the tensor-core GEMM that dequantises one weight tile at a
+// time into shared memory.
+void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
+// qmm.cu: grouped GEMM over the experts of a stack (MoE prefill). Routed rows are sorted by expert: expert e owns
+// rows r ∈ [offsets[e], offsets[e+1]) (device int32 [E+1]); row r reads x[rows[r]] (rows == null: x[r]).
+//   B == null:  y[r, n] = x[rows[r]] · A_e[n]                                         n < A.N
+//   B != null:  y[r, n] = silu(x[rows[r]] · A_e[n]) · (x[rows[r]] · B_e[n])          (gate, up: SwiGLU fused)
+// max_rows is a host-side upper bound of offsets[E] that sizes the grid; tiles past offsets[E] exit at once, so
+// no host synchronisation is needed. y is [max_rows, A.N] bf16.
+void moe_gemm(Ctx& ctx, const QMatrix& A, const QMatrix* B, const int32_t* offsets, const int32_t* rows,
+              int max_rows, const bf16* x, bf16* y);
+
+// attention.cu (reads a.pos_dev when set)
+void attention(Ctx& ctx, const AttnArgs& a, const bf16* qg, const bf16* k, const bf16* v, const float* q_norm,
+               const float* k_norm, bf16* k_cache, bf16* v_cache, bf16* out);
+
+// gdn.cu
+void gdn_conv(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* w, bf16* conv_state, bf16* out);
+void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf16* alpha, const float* A_log,
+              const float* dt_bias, float* state, bf16* y);
+void gdn_norm(Ctx& ctx, const GdnArgs& a, const bf16* y, const bf16* z, const float* w, bf16* out);
+
+// moe.cu
+void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out);
+
+// sample.cu: token selection on the device (the rules of core/sample.h). The candidate set after top-k must fit in
+// kMaxCand entries; top_logprobs are reported by the host path only.
+constexpr int kMaxCand = 1024;
+bool can_sample(const SamplingParams& p, int n_valid);
+void sample(Ctx& ctx, const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st);
+
+}  // namespace lily::cuda

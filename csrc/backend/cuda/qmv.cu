@@ -1,0 +1,289 @@
+// qmv.cu: y = x · Wᵀ for T ≤ kQmvMaxT tokens (decode), W in MLX affine 4- or 8-bit (architecture.md §3.2, §9.3).
+//
+// Math     y[t, n] = Σ_c ( s[n, g(c)] · Σ_{k∈c} q[n, k]·x[t, k]  +  b[n, g(c)] · Σ_{k∈c} x[t, k] )
+//          over 16-byte chunks c of a row (32 codes at 4 bits, 16 at 8); a group holds whole chunks, so no
+//          dequantised weight is formed. 4-bit codes decode as 128 + q (gemm.cuh), the offset moves into the
+//          bias term: s·Σ(128+q)·x + (b − 128·s)·Σx. fp32 throughout.
+// Layout   W u32[N, K·bits/32] LSB first; s, b bf16[N, K/group]; x bf16[T, K]; y [T, N] bf16, or fp32 (logits)
+// Traffic  T=1, 4-bit g64: N·K/2 codes + N·K/16 s,b.  8192×2048 (q_proj, in_proj_qkv): 8.39 + 1.05 = 9.44 MB;
+//          lm_head 248320×2048: 254.3 + 31.8 = 286.1 MB;  512×2048 (k/v): 0.59 MB;  2048×512: 0.59 MB.
+// Work     2·T·N·K FLOP, ≤ 4 FLOP per weight byte at T=1: bandwidth-bound.  Floor @ 4.8 TB/s (4.25 measured copy):
+//          8192×2048 2.0 µs (2.2);  lm_head 59.6 µs (67.3);  the ≤ 1 MB matrices are launch/latency-bound (~2 µs).
+// Mapping  block = 8 warps; a warp owns 4 rows and a 1/split share of K (split 1..8 so that small N still fills
+//          132 SMs): lane l reads 16-byte chunks c = 32·sp + l + 32·split·i of all 4 rows (512 coalesced bytes per
+//          row per warp step), issues up to 8 chunk loads before the first use and before x is staged. x is staged
+//          once per block into shared memory as fp32, swizzled (float4 slot XOR row mod 8: quarter-warps reading
+//          8 consecutive chunks hit 8 distinct bank groups), with Σx per chunk precomputed; one x read serves 4
+//          rows. Codes → floats by byte permute (no I2F). Warp shuffle sums, then a fixed-order sum over the
+//          split warps in shared memory (deterministic, no atomics).
+// Checks   bits 4|8; group 32|64|128; K % group == 0; W.E == 1; 16-byte aligned W and x; T·K·4 + T·K·bits/32 bytes
+//          of x staging fit in shared memory (T=1 K=2048: 8.3 KB; T=8 K=4096: 132 KB). Scales may be negative.
+// Ref      cpu/qmm.cpp (qmv, qmm) · Test tests/ops (op qmm, T ≤ 8)
+// History  v1 one matrix per launch · v2 up to 4 matrices sharing x in one launch (the GDN and attention input
+//          projections: 3 launches fewer per layer) (current)
+#include <utility>
+
+#include "backend/cuda/gemm.cuh"
+#include "backend/cuda/ops.cuh"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int kWarps = 8;  // warps per block
+constexpr int kRows = 4;   // weight rows per warp
+
+// Static shared memory of qmv_kernel<·, T> (the per-warp sums `red`).
+constexpr size_t red_bytes(int T) { return sizeof(float) * kWarps * kRows * T; }
+
+constexpr int kMaxSegs = 4;  // matrices sharing x in one launch (qmv_multi)
+
+struct QmvSeg {
+  const uint32_t* w;   // [N, K·bits/32]
+  const uint16_t* s;   // [N, groups]
+  const uint16_t* b;   // [N, groups]
+  void* y;             // [T, N]
+  int N;
+  int block0;          // first block of this matrix
+};
+
+struct QmvParams {
+  QmvSeg seg[kMaxSegs];
+  int nseg;
+  const bf16* x;       // [T, K]
+  int K;
+  int chunks;          // 16-byte chunks per weight row
+  int groups;          // groups per row
+  int gshift;          // chunk → group: c >> gshift
+  int split_log;       // log2 of the warps sharing one row set (K split)
+  bool y_f32;
+};
+
+// float4 slot of element e (e % 4 == 0) in a swizzled fp32 x row: rows of 32 floats, slot (e/4 mod 8) XOR (row mod 8).
+__device__ __forceinline__ int xslot(int e) {
+  const int row = e >> 5;
+  return row * 8 + (((e >> 2) ^ row) & 7);
+}
+
+template <int BITS, int T>
+__global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
+  using Q = QCodes<BITS>;
+  constexpr int kEpc = 128 / BITS;           // codes per 16-byte chunk
+  constexpr int kPW = Q::kPerWord;           // codes per word
+  constexpr int kUnroll = T <= 2 ? 2 : 1;    // warp steps whose loads are issued together
+  extern __shared__ float4 xs[];             // [T][K/4] swizzled fp32 x, then xsum fp32 [T][chunks]
+  __shared__ float red[kWarps][kRows * T];   // per-warp row sums
+
+  const int K4 = p.K / 4, C = p.chunks;
+  float* xsum = reinterpret_cast<float*>(xs + T * K4);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int split = 1 << p.split_log;
+  const int sp = warp & (split - 1), rg = warp >> p.split_log;
+  const int rows_per_block = (kWarps >> p.split_log) * kRows;
+  int si = 0;  // the matrix this block works on
+#pragma unroll
+  for (int i = 1; i < kMaxSegs; ++i)
+    if (i < p.nseg && int(blockIdx.x) >= p.seg[i].block0) si = i;
+  const QmvSeg& sg = p.seg[si];
+  const int block = blockIdx.x - sg.block0;
+  const int n0 = block * rows_per_block + rg * kRows;
+  const bool active = n0 < sg.N;
+  const int step = 32 * split;
+
+  const uint4* w4 = reinterpret_cast<const uint4*>(sg.w);
+  int row[kRows];  // rows past N repeat row N-1; their sums are never stored
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) row[r] = min(n0 + r, sg.N - 1);
+
+  uint4 q[kUnroll][kRows];
+  uint16_t sv[kUnroll][kRows], bv[kUnroll][kRows];
+  auto load = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = base + u * step + lane;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (c < C) {
+          const int g = row[r] * p.groups + (c >> p.gshift);
+          q[u][r] = __ldg(w4 + row[r] * C + c);
+          sv[u][r] = __ldg(sg.s + g);
+          bv[u][r] = __ldg(sg.b + g);
+        }
+      }
+    }
+  };
+
+  float acc[kRows][T];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
+
+  auto compute = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = base + u * step + lane;
+      if (c >= C) continue;
+      const int e0 = c * kEpc;
+      float d[kRows][T];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t) d[r][t] = 0.0f;
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi) {
+        float v[kRows][kPW];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const uint32_t word = wi == 0 ? q[u][r].x : wi == 1 ? q[u][r].y : wi == 2 ? q[u][r].z : q[u][r].w;
+          Q::decode(word, v[r]);
+        }
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          float xv[kPW];
+#pragma unroll
+          for (int h = 0; h < kPW / 4; ++h) {
+            const float4 f = xs[t * K4 + xslot(e0 + wi * kPW + 4 * h)];
+            xv[4 * h] = f.x;
+            xv[4 * h + 1] = f.y;
+            xv[4 * h + 2] = f.z;
+            xv[4 * h + 3] = f.w;
+          }
+#pragma unroll
+          for (int r = 0; r < kRows; ++r)
+#pragma unroll
+            for (int j = 0; j < kPW; ++j) d[r][t] = fmaf(v[r][j], xv[j], d[r][t]);  // Σ (kOffset + q)·x
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float s = bf16_bits_to_f(sv[u][r]);
+        const float b = bf16_bits_to_f(bv[u][r]) - Q::kOffset * s;
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[r][t] = fmaf(s, d[r][t], fmaf(b, xsum[t * C + c], acc[r][t]));
+      }
+    }
+  };
+
+  const int first = sp * 32;
+  if (active) load(first);  // the weight stream starts before x is staged
+
+  // Stage x as swizzled fp32 and Σx per chunk; one thread per (t, chunk).
+  for (int i = threadIdx.x; i < T * C; i += blockDim.x) {
+    const int t = i / C, c = i - t * C;
+    const bf16* src = p.x + size_t(t) * p.K + c * kEpc;
+    float sum = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kEpc / 8; ++v) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + v);
+      const float2 f0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.z));
+      const float2 f3 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.w));
+      sum += ((f0.x + f0.y) + (f1.x + f1.y)) + ((f2.x + f2.y) + (f3.x + f3.y));
+      const int e = c * kEpc + 8 * v;
+      xs[t * K4 + xslot(e)] = make_float4(f0.x, f0.y, f1.x, f1.y);
+      xs[t * K4 + xslot(e + 4)] = make_float4(f2.x, f2.y, f3.x, f3.y);
+    }
+    xsum[t * C + c] = sum;
+  }
+  __syncthreads();
+
+  if (active) {
+    for (int base = first; base < C; base += step * kUnroll) {
+      if (base != first) load(base);
+      compute(base);
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const float v = warp_sum(acc[r][t]);
+      if (lane == 0) red[warp][r * T + t] = v;
+    }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < rows_per_block * T; i += blockDim.x) {
+    const int t = i / rows_per_block, lr = i - t * rows_per_block;  // consecutive threads, consecutive rows
+    const int n = block * rows_per_block + lr;
+    if (n >= sg.N) continue;
+    const int g = lr / kRows, r = lr - g * kRows;
+    float v = 0.0f;
+    for (int s = 0; s < split; ++s) v += red[(g << p.split_log) + s][r * T + t];
+    if (p.y_f32)
+      static_cast<float*>(sg.y)[size_t(t) * sg.N + n] = v;
+    else
+      static_cast<bf16*>(sg.y)[size_t(t) * sg.N + n] = __float2bfloat16(v);
+  }
+}
+
+template <int BITS, int T>
+void launch(const Ctx& ctx, const QmvParams& p, int grid, size_t smem) {
+  auto kernel = qmv_kernel<BITS, T>;
+  if (smem + red_bytes(T) > 48 * 1024)  // dynamic + static past the default limit
+    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<grid, kWarps * 32, smem, ctx.stream>>>(p);
+}
+
+template <int BITS, int... Ts>
+void launch_t(const Ctx& ctx, const QmvParams& p, int T, int grid, size_t smem, std::integer_sequence<int, Ts...>) {
+  ((T == Ts + 1 ? launch<BITS, Ts + 1>(ctx, p, grid, smem) : void()), ...);
+}
+
+}  // namespace
+
+void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
+  LILY_CHECK(n >= 1 && n <= kMaxSegs, "qmv: ", n, " matrices in one launch, at most ", kMaxSegs);
+  const QMatrix& W = Ws[0];
+  for (int i = 0; i < n; ++i) {
+    check_qmatrix(Ws[i], "qmv", "W");
+    LILY_CHECK(Ws[i].E == 1, "qmv: W must be one matrix (E=", Ws[i].E, ")");
+    LILY_CHECK(Ws[i].K == W.K && Ws[i].bits == W.bits && Ws[i].group == W.group,
+               "qmv: matrices sharing a launch need the same K, bits and group size");
+    LILY_CHECK(int64_t(Ws[i].N) * W.K * W.bits / 128 < (int64_t(1) << 31), "qmv: W (", Ws[i].N, "×", W.K,
+               ") has too many 16-byte chunks for 32-bit indexing");
+    LILY_CHECK(ys[i], "qmv: null y");
+  }
+  LILY_CHECK(T >= 1 && T <= kQmvMaxT, "qmv: T=", T, " is outside [1, ", kQmvMaxT, "]");
+  LILY_CHECK(x, "qmv: null x");
+  LILY_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "qmv: x is not 16-byte aligned");
+
+  const int epc = 128 / W.bits;
+  QmvParams p;
+  p.nseg = n;
+  p.x = x;
+  p.K = W.K;
+  p.chunks = W.K / epc;
+  p.groups = W.K / W.group;
+  p.gshift = log2_exact(W.group / epc);
+  p.y_f32 = y_f32;
+
+  const size_t smem = size_t(T) * W.K * 4 + size_t(T) * p.chunks * 4;
+  LILY_CHECK(smem + red_bytes(T) <= ctx.smem_optin, "qmv: staging x for T=", T, ", K=", W.K, " needs ", smem,
+             " bytes of shared memory, over the device's ", ctx.smem_optin);
+
+  // Split K across warps while the grid is short of ~16 warps per SM and every lane keeps a whole chunk.
+  int64_t row_warps = 0;
+  for (int i = 0; i < n; ++i) row_warps += cdiv(Ws[i].N, kRows);
+  p.split_log = 0;
+  while (p.split_log < 3 && (64 << p.split_log) <= p.chunks && (row_warps << p.split_log) < 16 * ctx.num_sms)
+    ++p.split_log;
+  int64_t grid = 0;
+  for (int i = 0; i < n; ++i) {
+    p.seg[i] = QmvSeg{Ws[i].w, Ws[i].scales, Ws[i].biases, ys[i], Ws[i].N, int(grid)};
+    grid += cdiv(Ws[i].N, (kWarps >> p.split_log) * kRows);
+  }
+
+  dispatch_bits(W.bits, [&](auto bits) {
+    launch_t<decltype(bits)::value>(ctx, p, T, int(grid), smem, std::make_integer_sequence<int, kQmvMaxT>{});
+  });
+  check_launch("qmv");
+}
+
+void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) {
+  qmv_multi(ctx, &W, 1, x, T, &y, y_f32);
+}
+
+}  // namespace lily::cuda

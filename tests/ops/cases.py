@@ -1,0 +1,229 @@
+"""The op case table: every Backend op at the real Qwen3.6-35B-A3B shapes and at odd shapes. It drives the op test
+(tests/ops/test_ops.py: each GPU backend against the CPU reference) and the op benchmark (benchmarks/bench_ops.py).
+
+Letters follow architecture.md §1. Inputs are drawn fresh for every run (pass an np.random.Generator) and
+activations are rounded to bf16 first, so the CPU reference and a bf16 backend see identical values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lily.safetensors_io import bf16_to_float32, float32_to_bf16
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str                 # the Backend method (and C++/CUDA file stem)
+    dims: dict              # sizes and flags, architecture.md letters
+    tol: float = 2e-2       # bound on ‖got − ref‖ / ‖ref‖ (bf16 activations, fp32 accumulation)
+    tags: tuple = ()        # "model" (a real shape), "edge" (odd sizes), "slow" (big inputs)
+    name: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.name or f"{self.op}-" + "-".join(f"{k}{v}" for k, v in self.dims.items())
+
+    def bytes(self) -> int:
+        return _traffic(self)
+
+    def flops(self) -> int:
+        return _flops(self)
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """Rounds to the nearest bf16 value, as float32."""
+    return bf16_to_float32(float32_to_bf16(np.asarray(x, dtype=np.float32)))
+
+
+def qmatrix(rng, name: str, E: int, N: int, K: int, bits: int = 4, group: int = 64, std: float = 1.0) -> tuple:
+    """A random quantized matrix (codes, scales, biases) whose dequantised entries have roughly the given std."""
+    lead = (E, N) if E else (N,)
+    words = rng.integers(0, 2**32, size=lead + (K * bits // 32,), dtype=np.uint64).astype(np.uint32)
+    levels = 2**bits - 1
+    scale = rng.normal(0.0, 1.0, size=lead + (K // group,)).astype(np.float32) * (std * 3.4 / levels)
+    bias = (-scale * levels / 2 + rng.normal(0, std * 0.05, size=scale.shape)).astype(np.float32)
+    inputs = {f"{name}.w": words, f"{name}.scales": float32_to_bf16(scale), f"{name}.biases": float32_to_bf16(bias)}
+    return inputs, {f"{name}.K": K}
+
+
+def _act(rng, shape, std=1.0):
+    return bf16(rng.normal(0.0, std, size=shape))
+
+
+def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
+    """(params, inputs) for lily._core.testing.run_op."""
+    d, op = dict(case.dims), case.op
+    p, x = dict(d), {}
+    if op == "embed":
+        q, kp = qmatrix(rng, "table", 0, d["V"], d["H"], d.get("bits", 4))
+        x.update(q), p.update(kp)
+        x["tokens"] = rng.integers(0, d["V"], size=d["T"]).astype(np.int32)
+    elif op in ("rms_norm", "add_rms_norm"):
+        p["eps"] = 1e-6
+        x["x"] = rng.normal(0, 2.0, size=(d["T"], d["H"])).astype(np.float32)
+        x["w"] = (1.0 + rng.normal(0, 0.1, size=d["H"])).astype(np.float32)
+        if op == "add_rms_norm":
+            x["d"] = _act(rng, (d["T"], d["H"]))
+    elif op == "qmm":
+        q, kp = qmatrix(rng, "W", 0, d["N"], d["K"], d.get("bits", 4), d.get("group", 64), std=d["K"] ** -0.5)
+        x.update(q), p.update(kp)
+        x["x"] = _act(rng, (d["T"], d["K"]))
+    elif op == "qmm_multi":
+        for i, n in enumerate(d["Ns"]):
+            q, kp = qmatrix(rng, f"W{i}", 0, n, d["K"], std=d["K"] ** -0.5)
+            x.update(q), p.update(kp)
+        p["n"] = len(d["Ns"])
+        x["x"] = _act(rng, (d["T"], d["K"]))
+    elif op == "attention":
+        T, NH, NKV, HD, pos0 = d["T"], d["NH"], d["NKV"], d["HD"], d["pos0"]
+        p.update(cache_cap=pos0 + T + d.get("spare", 3), rotary_dim=d.get("rotary_dim", HD // 4),
+                 rope_theta=1e7, eps=1e-6)
+        x["qg"] = _act(rng, (T, NH, 2 * HD))
+        x["k"], x["v"] = _act(rng, (T, NKV * HD)), _act(rng, (T, NKV * HD))
+        x["q_norm"] = (1.0 + rng.normal(0, 0.1, HD)).astype(np.float32)
+        x["k_norm"] = (1.0 + rng.normal(0, 0.1, HD)).astype(np.float32)
+        cache = (p["cache_cap"], NKV, HD)
+        x["k_cache"] = _act(rng, cache)  # rows ≥ pos0 are garbage the op must overwrite
+        x["v_cache"] = _act(rng, cache)
+    elif op.startswith("gdn"):
+        T, NK, NV, DK, DV = d["T"], d["NK"], d["NV"], d["DK"], d["DV"]
+        p.update(conv_kernel=4, eps=1e-6)
+        C = 2 * NK * DK + NV * DV
+        if op == "gdn_conv":
+            x["x"] = _act(rng, (T, C))
+            x["w"] = rng.normal(0, 0.5, size=(C, 4)).astype(np.float32)
+            x["conv_state"] = _act(rng, (3, C))
+        elif op == "gdn_scan":
+            x["c"] = _act(rng, (T, C))
+            x["b"], x["alpha"] = _act(rng, (T, NV)), _act(rng, (T, NV))
+            x["A_log"] = np.log(rng.uniform(0.05, 1.0, NV)).astype(np.float32)
+            x["dt_bias"] = rng.normal(-1.0, 0.5, NV).astype(np.float32)
+            x["state"] = rng.normal(0, 0.1, size=(NV, DV, DK)).astype(np.float32)
+        else:
+            x["y"], x["z"] = _act(rng, (T, NV * DV)), _act(rng, (T, NV * DV))
+            x["w"] = (1.0 + rng.normal(0, 0.1, DV)).astype(np.float32)
+    elif op == "moe":
+        T, H, E, I, IS = d["T"], d["H"], d["E"], d["I"], d["IS"]
+        p["norm_topk_prob"] = True
+        for name, e, n, k, bits in (("router", 0, E, H, 8), ("gate", E, I, H, 4), ("up", E, I, H, 4),
+                                    ("down", E, H, I, 4), ("shared_gate", 0, IS, H, 4), ("shared_up", 0, IS, H, 4),
+                                    ("shared_down", 0, H, IS, 4), ("shared_expert_gate", 0, 1, H, 8)):
+            q, kp = qmatrix(rng, name, e, n, k, bits, std=k ** -0.5 * (3.0 if name == "router" else 1.0))
+            x.update(q), p.update(kp)
+        m = rng.normal(0, 1.0, size=(T, H))
+        if d.get("skewed"):  # every token picks the same experts: whole-T groups (1, 2, 127 rows per expert)
+            m = np.abs(m)
+            s = np.zeros((E, H // 64), np.float32)
+            b = np.linspace(0.02, 0.0, E, dtype=np.float32)[:, None] * np.ones((1, H // 64), np.float32)
+            x["router.scales"], x["router.biases"] = float32_to_bf16(s), float32_to_bf16(b)
+        x["m"] = bf16(m)
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    return p, x
+
+
+def _traffic(c: Case) -> int:
+    d = c.dims
+    qb = lambda n, k, bits=4, g=64: n * k * bits // 8 + n * (k // g) * 4
+    if c.op == "qmm":
+        return qb(d["N"], d["K"], d.get("bits", 4), d.get("group", 64)) + 2 * d["T"] * (d["K"] + d["N"])
+    if c.op == "qmm_multi":
+        return sum(qb(n, d["K"]) + 2 * d["T"] * n for n in d["Ns"]) + 2 * d["T"] * d["K"]
+    if c.op == "moe":
+        k = d["top_k"]
+        routed = min(d["E"], d["T"] * k) * (3 * qb(d["I"], d["H"]))
+        return qb(d["E"], d["H"], 8) + routed + 3 * qb(d["IS"], d["H"]) + 4 * d["T"] * d["H"]
+    if c.op == "attention":
+        return 2 * (d["pos0"] + d["T"]) * d["NKV"] * d["HD"] * 2 + d["T"] * d["NH"] * d["HD"] * 8
+    if c.op == "gdn_scan":
+        return 2 * d["NV"] * d["DV"] * d["DK"] * 4 + d["T"] * (2 * d["NK"] * d["DK"] + 2 * d["NV"] * d["DV"]) * 2
+    if c.op in ("rms_norm", "add_rms_norm"):
+        return d["T"] * d["H"] * 10
+    if c.op == "embed":
+        return d["T"] * (qb(1, d["H"]) + 4 * d["H"])
+    C = 2 * d.get("NK", 0) * d.get("DK", 0) + d.get("NV", 0) * d.get("DV", 0)
+    return d["T"] * C * 4
+
+
+def _flops(c: Case) -> int:
+    d = c.dims
+    if c.op == "qmm":
+        return 2 * d["T"] * d["N"] * d["K"]
+    if c.op == "qmm_multi":
+        return 2 * d["T"] * d["K"] * sum(d["Ns"])
+    if c.op == "moe":
+        return 2 * d["T"] * (d["E"] * d["H"] + 3 * d["top_k"] * d["I"] * d["H"] + 3 * d["IS"] * d["H"])
+    if c.op == "attention":
+        keys = d["T"] * d["pos0"] + d["T"] * (d["T"] + 1) // 2
+        return 4 * d["NH"] * d["HD"] * keys
+    if c.op == "gdn_scan":
+        return 7 * d["T"] * d["NV"] * d["DV"] * d["DK"]
+    return 0
+
+
+REAL = dict(H=2048, NH=16, NKV=2, HD=256, NK=16, NV=32, DK=128, DV=128, E=256, top_k=8, I=512, IS=512)
+_gdn_real = {k: REAL[k] for k in ("NK", "NV", "DK", "DV")}
+_attn_real = {k: REAL[k] for k in ("NH", "NKV", "HD")}
+_moe_real = {k: REAL[k] for k in ("H", "E", "top_k", "I", "IS")}
+
+CASES = [
+    Case("embed", dict(T=5, V=248320, H=2048), tags=("model",)),
+    Case("embed", dict(T=3, V=491, H=128, bits=8), tags=("edge",)),
+    Case("rms_norm", dict(T=1, H=2048), tags=("model",)),
+    Case("rms_norm", dict(T=37, H=2048), tags=("model",)),
+    Case("rms_norm", dict(T=3, H=192), tags=("edge",)),
+    Case("add_rms_norm", dict(T=1, H=2048), tags=("model",)),
+    Case("add_rms_norm", dict(T=5, H=320), tags=("edge",)),
+    # decode GEMV at every real projection shape
+    *[Case("qmm", dict(T=1, N=n, K=k, bits=b), tags=("model",)) for n, k, b in (
+        (8192, 2048, 4), (4096, 2048, 4), (512, 2048, 4), (32, 2048, 4), (2048, 4096, 4), (256, 2048, 8),
+        (1, 2048, 8), (2048, 512, 4), (512, 2048, 4))],
+    Case("qmm", dict(T=1, N=248320, K=2048, y_f32=True), tags=("model", "slow"), name="qmm-lm_head"),
+    Case("qmm", dict(T=4, N=8192, K=2048), tags=("model",)),
+    Case("qmm", dict(T=8, N=2048, K=4096), tags=("model",)),
+    # the GDN and attention input projections in one launch
+    Case("qmm_multi", dict(T=1, K=2048, Ns=(8192, 4096, 32, 32)), tags=("model",)),
+    Case("qmm_multi", dict(T=1, K=2048, Ns=(8192, 512, 512)), tags=("model",)),
+    Case("qmm_multi", dict(T=3, K=128, Ns=(200, 64, 4, 4)), tags=("edge",)),
+    Case("qmm_multi", dict(T=40, K=256, Ns=(96, 64, 8)), tags=("edge",)),
+    # prefill GEMM
+    Case("qmm", dict(T=512, N=8192, K=2048), tags=("model",)),
+    Case("qmm", dict(T=512, N=2048, K=4096), tags=("model",)),
+    Case("qmm", dict(T=256, N=256, K=2048, bits=8, y_f32=True), tags=("model",)),
+    Case("qmm", dict(T=9, N=512, K=2048), tags=("model",)),
+    # odd shapes: rows and columns off every tile, 8-bit, other group sizes
+    Case("qmm", dict(T=3, N=40, K=128), tags=("edge",)),
+    Case("qmm", dict(T=77, N=200, K=192), tags=("edge",)),
+    Case("qmm", dict(T=130, N=96, K=128, bits=8), tags=("edge",)),
+    Case("qmm", dict(T=33, N=65, K=256, group=32), tags=("edge",)),
+    Case("qmm", dict(T=2, N=491, K=128, y_f32=True), tags=("edge",)),
+    # attention: decode at short and long context, prefill from empty and continuing chunks
+    Case("attention", dict(T=1, pos0=100, **_attn_real), tags=("model",)),
+    Case("attention", dict(T=1, pos0=5000, **_attn_real), tags=("model",)),
+    Case("attention", dict(T=1, pos0=40000, **_attn_real), tags=("model", "slow")),
+    Case("attention", dict(T=300, pos0=0, **_attn_real), tags=("model",)),
+    Case("attention", dict(T=64, pos0=200, **_attn_real), tags=("model",)),
+    Case("attention", dict(T=17, pos0=3, NH=4, NKV=2, HD=64), tags=("edge",)),
+    Case("attention", dict(T=1, pos0=40, NH=4, NKV=1, HD=32, rotary_dim=8), tags=("edge",)),
+    Case("attention", dict(T=130, pos0=0, NH=8, NKV=2, HD=32), tags=("edge",)),
+    # Gated DeltaNet
+    Case("gdn_conv", dict(T=1, **_gdn_real), tags=("model",)),
+    Case("gdn_conv", dict(T=300, **_gdn_real), tags=("model",)),
+    Case("gdn_conv", dict(T=2, NK=2, NV=4, DK=32, DV=32), tags=("edge",)),
+    Case("gdn_scan", dict(T=1, **_gdn_real), tags=("model",)),
+    Case("gdn_scan", dict(T=64, **_gdn_real), tags=("model",)),
+    Case("gdn_scan", dict(T=9, NK=4, NV=8, DK=32, DV=64), tags=("edge",)),
+    Case("gdn_scan", dict(T=5, NK=2, NV=2, DK=64, DV=32), tags=("edge",)),
+    Case("gdn_norm", dict(T=1, **_gdn_real), tags=("model",)),
+    Case("gdn_norm", dict(T=33, NK=2, NV=4, DK=32, DV=64), tags=("edge",)),
+    # MoE: decode, prefill, odd geometries, and routing skewed onto the same experts (1, 2, 127 rows each)
+    Case("moe", dict(T=1, **_moe_real), tags=("model", "slow")),
+    Case("moe", dict(T=64, **_moe_real), tags=("model", "slow")),
+    Case("moe", dict(T=5, H=64, E=8, top_k=2, I=64, IS=128), tags=("edge",)),
+    Case("moe", dict(T=127, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
+    Case("moe", dict(T=300, H=256, E=12, top_k=3, I=128, IS=64), tags=("edge",)),
+    *[Case("moe", dict(T=t, H=128, E=8, top_k=2, I=64, IS=64, skewed=True), tags=("edge",)) for t in (1, 2, 127)],
+]

@@ -1,0 +1,49 @@
+"""Tier 1 op test (llama.cpp's test-backend-ops idea): every op of every GPU backend compiled in, against the CPU
+reference backend, on identical fresh random inputs, at the real shapes and at odd ones (tests/ops/cases.py)."""
+import os
+
+import numpy as np
+import pytest
+
+import lily
+from lily import _core
+
+from .cases import CASES, make
+
+GPU_BACKENDS = [b for b in lily.backends() if b != "cpu"]
+# LILY_OP_TAGS=edge runs only the cases with that tag (the small ones, e.g. under compute-sanitizer).
+SELECTED = [c for c in CASES if os.environ.get("LILY_OP_TAGS", "") in ("", *c.tags)]
+
+
+def _usable(backend: str) -> bool:
+    try:
+        _core.testing.run_op(backend, "rms_norm", {"T": 1, "H": 64, "eps": 1e-6},
+                             {"x": np.ones((1, 64), np.float32), "w": np.ones(64, np.float32)})
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.fixture(scope="module", params=GPU_BACKENDS or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no GPU backend compiled into this build"))])
+def backend(request):
+    if not _usable(request.param):
+        pytest.skip(f"{request.param} backend compiled in but no device available")
+    return request.param
+
+
+@pytest.mark.parametrize("case", SELECTED, ids=lambda c: c.id)
+def test_op_matches_cpu(backend, case):
+    rng = np.random.default_rng()
+    params, inputs = make(case, rng)
+    ref = _core.testing.run_op("cpu", case.op, params, inputs)
+    got = _core.testing.run_op(backend, case.op, params, inputs)
+    assert ref.keys() == got.keys()
+    for name, r in ref.items():
+        g = got[name]
+        assert g.shape == r.shape
+        assert np.isfinite(g).all(), f"{case.id}/{name}: non-finite values at {np.flatnonzero(~np.isfinite(g))[:8]}"
+        err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
+        worst = int(np.argmax(np.abs(g - r)))
+        assert err <= case.tol, (f"{case.id}/{name}: relative error {err:.2e} > {case.tol:.0e}; worst at flat index "
+                                 f"{worst}: got {g[worst]:.6g}, want {r[worst]:.6g}")
