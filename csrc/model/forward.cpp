@@ -251,6 +251,7 @@ void Session::prefill_device(const int32_t* tokens, int n) {
   LILY_CHECK(n >= 1, "prefill needs at least one token");
   check_room(n);
   check_tokens(tokens, n);
+  reserve_kv(pos_ + n);
   for (int i = 0; i < n; i += chunk_) {
     const int T = std::min(chunk_, n - i);
     forward(tokens + i, T, i + T == n ? Logits::Device : Logits::None, nullptr);
@@ -298,6 +299,7 @@ void Session::prefill(const int32_t* tokens, int n, float* logits) {
   LILY_CHECK(n >= 1, "prefill needs at least one token");
   check_room(n);
   check_tokens(tokens, n);
+  reserve_kv(pos_ + n);  // one allocation for the whole prompt: no grow-and-copy peaks between chunks
   for (int i = 0; i < n; i += chunk_) {
     const int T = std::min(chunk_, n - i);
     const bool last = i + T == n;
@@ -309,6 +311,7 @@ void Session::forward_all(const int32_t* tokens, int n, float* logits) {
   LILY_CHECK(n >= 1, "forward_all needs at least one token");
   check_room(n);
   check_tokens(tokens, n);
+  reserve_kv(pos_ + n);
   const size_t V = model_.config().vocab_size;
   for (int i = 0; i < n; i += chunk_) {
     const int T = std::min(chunk_, n - i);
