@@ -2,12 +2,10 @@
 // checkpoint (zero copy); each op forwards to its reference implementation in this folder.
 #include <algorithm>
 #include <cstring>
-#include <atomic>
 #include <cstdlib>
-#include <mutex>
 #include <new>
-#include <unordered_map>
 
+#include "backend/allocations.h"
 #include "backend/cpu/ops.h"
 
 namespace lily {
@@ -16,7 +14,7 @@ namespace {
 class CpuBackend final : public Backend {
  public:
   ~CpuBackend() override {
-    for (auto& kv : sizes_) std::free(kv.first);
+    for (void* p : mem_.live()) std::free(p);
   }
   std::string name() const override { return "cpu"; }
   size_t act_bytes() const override { return sizeof(float); }
@@ -24,20 +22,12 @@ class CpuBackend final : public Backend {
   void* alloc(size_t bytes) override {
     void* p = std::malloc(std::max<size_t>(bytes, 1));
     if (!p) throw std::bad_alloc();
-    std::lock_guard<std::mutex> lk(mu_);
-    sizes_[p] = bytes;
-    in_use_ += bytes;
-    peak_ = std::max(peak_, in_use_);
+    mem_.add(p, bytes);
     return p;
   }
   void release(void* p) override {
     if (!p) return;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      auto it = sizes_.find(p);
-      in_use_ -= it->second;
-      sizes_.erase(it);
-    }
+    mem_.remove(p);
     std::free(p);
   }
   const void* weight(const void* host, size_t) override { return host; }
@@ -46,9 +36,9 @@ class CpuBackend final : public Backend {
   void copy(void* dst, const void* src, size_t n) override { std::memmove(dst, src, n); }
   void zero(void* dst, size_t n) override { std::memset(dst, 0, n); }
   void sync() override {}
-  size_t bytes_in_use() const override { return in_use_; }
-  size_t peak_bytes() const override { return peak_; }
-  void reset_peak() override { peak_ = in_use_; }
+  size_t bytes_in_use() const override { return mem_.in_use(); }
+  size_t peak_bytes() const override { return mem_.peak(); }
+  void reset_peak() override { mem_.reset_peak(); }
 
   void embed(const QMatrix& table, const int32_t* tokens, int T, float* x) override {
     cpu::embed(table, tokens, T, x);
@@ -82,9 +72,7 @@ class CpuBackend final : public Backend {
   static float* f(void* p) { return static_cast<float*>(p); }
   static const float* cf(const void* p) { return static_cast<const float*>(p); }
 
-  std::mutex mu_;
-  std::unordered_map<void*, size_t> sizes_;
-  size_t in_use_ = 0, peak_ = 0;
+  Allocations mem_;
 };
 
 }  // namespace

@@ -2,9 +2,9 @@
 // with the backend); weights copied to the device once at load; bf16 activations; each op forwards to its
 // launcher in this folder (ops.cuh).
 #include <algorithm>
-#include <mutex>
 #include <unordered_map>
 
+#include "backend/allocations.h"
 #include "backend/cuda/ops.cuh"
 
 namespace lily {
@@ -45,7 +45,7 @@ class CudaBackend final : public Backend {
     forget_replays();
     for (auto& e : result_events_) cudaEventDestroy(e);
     cudaFreeHost(pinned_);
-    for (auto& kv : sizes_) cudaFree(kv.first);
+    for (void* p : mem_.live()) cudaFree(p);
     for (int s = 0; s < kNumSlots; ++s)
       if (ctx_.buf[s]) cudaFree(ctx_.buf[s]);
     cudaStreamDestroy(ctx_.stream);
@@ -61,21 +61,12 @@ class CudaBackend final : public Backend {
       cudaGetLastError();
       throw std::bad_alloc();
     }
-    std::lock_guard<std::mutex> lk(mu_);
-    sizes_[p] = bytes;
-    in_use_ += bytes;
-    peak_ = std::max(peak_, in_use_);
+    mem_.add(p, bytes);
     return p;
   }
   void release(void* p) override {
     if (!p) return;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      auto it = sizes_.find(p);
-      LILY_ASSERT(it != sizes_.end(), "release of a pointer this backend did not allocate");
-      in_use_ -= it->second;
-      sizes_.erase(it);
-    }
+    mem_.remove(p);
     LILY_CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
     forget_replays();  // a recorded unit may point into the buffer
     LILY_CUDA_CHECK(cudaFree(p));
@@ -98,9 +89,9 @@ class CudaBackend final : public Backend {
   }
   void zero(void* dst, size_t n) override { LILY_CUDA_CHECK(cudaMemsetAsync(dst, 0, n, ctx_.stream)); }
   void sync() override { LILY_CUDA_CHECK(cudaStreamSynchronize(ctx_.stream)); }
-  size_t bytes_in_use() const override { return in_use_ + scratch_bytes(); }
-  size_t peak_bytes() const override { return std::max(peak_, in_use_) + scratch_bytes(); }
-  void reset_peak() override { peak_ = in_use_; }
+  size_t bytes_in_use() const override { return mem_.in_use() + scratch_bytes(); }
+  size_t peak_bytes() const override { return mem_.peak() + scratch_bytes(); }
+  void reset_peak() override { mem_.reset_peak(); }
 
   void embed(const QMatrix& table, const int32_t* tokens, int T, float* x) override {
     cuda::embed(ctx_, table, tokens, T, x);
@@ -200,9 +191,7 @@ class CudaBackend final : public Backend {
   std::unordered_map<uint64_t, cudaGraphExec_t> graphs_;
   int32_t* pinned_ = nullptr;  // [kResultSlots, 2] host side of the decode results
   cudaEvent_t result_events_[kResultSlots] = {};
-  std::mutex mu_;
-  std::unordered_map<void*, size_t> sizes_;
-  size_t in_use_ = 0, peak_ = 0;
+  Allocations mem_;
 };
 
 }  // namespace

@@ -26,21 +26,6 @@ namespace {
 constexpr int kEmbedThreads = 256;
 constexpr int kNormThreads = 256;  // target block size; VPT float4 chunks per thread cover the row
 
-__device__ __forceinline__ float4 load_bf16x4(const bf16* p) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-
-__device__ __forceinline__ void store_bf16x4(bf16* p, float4 v) {
-  const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
-  uint2 u;
-  u.x = *reinterpret_cast<const uint32_t*>(&a);
-  u.y = *reinterpret_cast<const uint32_t*>(&b);
-  *reinterpret_cast<uint2*>(p) = u;
-}
-
 // ---- kernels ------------------------------------------------------------------------------------------------------
 
 // One block per token; thread i dequantises packed words i, i + blockDim, … of the token's table row.
