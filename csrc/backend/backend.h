@@ -48,8 +48,8 @@ struct AttnArgs {
   int rotary_dim;   // first rotary_dim dims of each head rotate (rotate-half pairing)
   float rope_theta;
   float eps;        // q/k RMSNorm epsilon
-  // Device copy of pos0, or null. When set, GPU kernels read the position from it (pos0 holds the same value),
-  // so that a captured decode step (CUDA graph) stays valid as the position advances.
+  // Device copy of the position, or null. When set, backends read the position from it and ignore pos0, so that a
+  // recorded decode step (a CUDA graph) stays valid as the position advances.
   const int32_t* pos_dev = nullptr;
 };
 

@@ -63,6 +63,7 @@ class Runner {
     Array a = input(k);
     return upload(a.data(), a.nbytes());
   }
+  void* raw_value(int32_t v) { return upload(&v, sizeof v); }
   QMatrix q(const std::string& k, int E) {
     Array w = input(k + ".w"), s = input(k + ".scales");
     QMatrix m;
@@ -182,6 +183,10 @@ std::function<void()> prepare(Backend& be, Runner& r, const std::string& op) {
   if (op == "attention") {
     AttnArgs a{r.i("T"), r.i("pos0"), r.i("cache_cap"), r.i("NH"), r.i("NKV"), r.i("HD"), r.i("rotary_dim"),
                r.f("rope_theta"), r.f("eps")};
+    if (r.flag("device_pos")) {  // a replayed decode step: the position lives on the device, the host's is stale
+      a.pos_dev = static_cast<const int32_t*>(r.raw_value(a.pos0));
+      a.pos0 = 0;
+    }
     void *qg = r.act("qg"), *k = r.act("k"), *v = r.act("v");
     float *qn = r.f32("q_norm"), *kn = r.f32("k_norm");
     void *kc = r.act("k_cache"), *vc = r.act("v_cache");

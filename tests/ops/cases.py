@@ -200,6 +200,7 @@ CASES = [
     Case("qmm", dict(T=130, N=96, K=128, bits=8), tags=("edge",)),
     Case("qmm", dict(T=33, N=65, K=256, group=32), tags=("edge",)),
     Case("qmm", dict(T=2, N=491, K=128, y_f32=True), tags=("edge",)),
+    Case("qmm", dict(T=12, N=70, K=128, bits=8), tags=("edge",)),  # small-tile GEMM, 8-bit
     # attention: decode at short and long context, prefill from empty and continuing chunks
     Case("attention", dict(T=1, pos0=100, **_attn_real), tags=("model",)),
     Case("attention", dict(T=1, pos0=5000, **_attn_real), tags=("model",)),
@@ -209,6 +210,11 @@ CASES = [
     Case("attention", dict(T=17, pos0=3, NH=4, NKV=2, HD=64), tags=("edge",)),
     Case("attention", dict(T=1, pos0=40, NH=4, NKV=1, HD=32, rotary_dim=8), tags=("edge",)),
     Case("attention", dict(T=130, pos0=0, NH=8, NKV=2, HD=32), tags=("edge",)),
+    Case("attention", dict(T=3, pos0=33000, NH=4, NKV=1, HD=32), tags=("edge",)),  # the split path past 32K
+    Case("attention", dict(T=20, pos0=500, NH=2, NKV=1, HD=32), tags=("edge",)),   # splits crossing the mask
+    # a replayed decode step: the kernels must take the position from the device, not the (stale) host value
+    Case("attention", dict(T=1, pos0=700, NH=16, NKV=2, HD=256, device_pos=True), tags=("model",)),
+    Case("attention", dict(T=1, pos0=40, NH=4, NKV=1, HD=32, device_pos=True), tags=("edge",)),
     # Gated DeltaNet
     Case("gdn_conv", dict(T=1, **_gdn_real), tags=("model",)),
     Case("gdn_conv", dict(T=300, **_gdn_real), tags=("model",)),

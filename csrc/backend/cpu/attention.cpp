@@ -35,10 +35,11 @@ static void rope(float* x, int pos, int R, float theta) {
 void attention(const AttnArgs& a, const float* qg, const float* k, const float* v, const float* q_norm,
                const float* k_norm, float* k_cache, float* v_cache, float* out) {
   const int HD = a.HD, kv_row = a.NKV * HD, group = a.NH / a.NKV;
+  const int pos0 = a.pos_dev ? *a.pos_dev : a.pos0;  // host memory here: the device copy is readable
   // 1. q: split, norm, rotate (into a scratch buffer [T, NH, HD]); k, v: norm, rotate, append to the caches.
   std::vector<float> q(size_t(a.T) * a.NH * HD);
   for (int t = 0; t < a.T; ++t) {
-    const int pos = a.pos0 + t;
+    const int pos = pos0 + t;
     for (int h = 0; h < a.NH; ++h) {
       float* qh = q.data() + (size_t(t) * a.NH + h) * HD;
       const float* src = qg + (size_t(t) * a.NH + h) * 2 * HD;
@@ -60,10 +61,10 @@ void attention(const AttnArgs& a, const float* qg, const float* k, const float* 
   // 2. causal softmax attention, one (token, head) pair per task, then the sigmoid output gate.
   const float scale = 1.0f / std::sqrt(float(HD));
   parallel_for(int64_t(a.T) * a.NH, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(a.pos0 + a.T);
+    std::vector<float> p(pos0 + a.T);
     std::vector<float> o(HD);
     for (int64_t i = i0; i < i1; ++i) {
-      const int t = int(i / a.NH), h = int(i % a.NH), kvh = h / group, n_keys = a.pos0 + t + 1;
+      const int t = int(i / a.NH), h = int(i % a.NH), kvh = h / group, n_keys = pos0 + t + 1;
       const float* qh = q.data() + size_t(i) * HD;
       float mx = -INFINITY;
       for (int j = 0; j < n_keys; ++j) {

@@ -31,10 +31,11 @@ class CpuBackend final : public Backend {
     std::free(p);
   }
   const void* weight(const void* host, size_t) override { return host; }
-  void to_device(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
-  void to_host(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
-  void copy(void* dst, const void* src, size_t n) override { std::memmove(dst, src, n); }
-  void zero(void* dst, size_t n) override { std::memset(dst, 0, n); }
+  // n may be 0 (an empty tensor), where the pointers may be null: memcpy/memset must not see them then.
+  void to_device(void* dst, const void* src, size_t n) override { if (n) std::memcpy(dst, src, n); }
+  void to_host(void* dst, const void* src, size_t n) override { if (n) std::memcpy(dst, src, n); }
+  void copy(void* dst, const void* src, size_t n) override { if (n) std::memmove(dst, src, n); }
+  void zero(void* dst, size_t n) override { if (n) std::memset(dst, 0, n); }
   void sync() override {}
   size_t bytes_in_use() const override { return mem_.in_use(); }
   size_t peak_bytes() const override { return mem_.peak(); }

@@ -1,0 +1,209 @@
+// moe.cpp: the launcher of the MoE block (metal/moe.metal gives the math, mapping and costs; its GEMMs are qmm and
+// moe_gemm of qmm.cpp). Router logits by qmm, then moe_route; T ≤ kQmvMaxT runs the two fused decode kernels,
+// larger T the prefill path: GPU-resident sort (moe_hist, moe_scan, moe_scatter), moe_gemm gate+up and down, the
+// shared expert by qmm, and moe_combine. Nothing waits for the device.
+#include <algorithm>
+#include <cstdint>
+
+#include "../../../metal/moe_args.h"
+#include "backend/metal/ops.h"
+#include "core/common.h"
+
+namespace lily::metal {
+
+namespace {
+
+// Rows per threadgroup of the decode kernels.
+constexpr int kDecodeRowsPerGroup = MOE_DECODE_SIMDGROUPS * MOE_DECODE_ROWS;
+
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+uint32_t cdiv(int64_t a, int64_t b) { return uint32_t((a + b - 1) / b); }
+
+void check_matrix(const QMatrix& q, const char* name, int E, int N, int K) {
+  LILY_CHECK(q.w && q.scales && q.biases, "moe: ", name, " has a null codes/scales/biases pointer");
+  LILY_CHECK(q.E == E && q.N == N && q.K == K, "moe: ", name, " is [", q.E, ", ", q.N, ", ", q.K, "], expected [",
+             E, ", ", N, ", ", K, "]");
+  LILY_CHECK(q.bits == 4 || q.bits == 8, "moe: ", name, " has bits=", q.bits, " (4 or 8 supported)");
+  LILY_CHECK(q.group > 0 && q.group % 8 == 0 && K % q.group == 0, "moe: ", name, " has group=", q.group,
+             ", which must divide K=", K, " and be a multiple of 8");
+  LILY_CHECK(uint64_t(E) * N * q.words_per_row() < (uint64_t(1) << 32), "moe: ", name,
+             " has too many codes for 32-bit indices");
+}
+
+// Where the routing lands: per token the k expert ids, their weights ŵ, and γ.
+struct Route {
+  int32_t* ids;
+  float* wts;
+  float* gamma;
+};
+
+void bind_matrix(Encoder& enc, int first, const QMatrix& q) {
+  enc.set_buffer(first, q.w);
+  enc.set_buffer(first + 1, q.scales);
+  enc.set_buffer(first + 2, q.biases);
+}
+
+// The kernel name for a bit width: "<stem>_q4" / "<stem>_q8" (or _s4 / _s8 for the routing kernel's w_seg).
+const char* by_bits(int bits, const char* four, const char* eight) { return bits == 4 ? four : eight; }
+
+bool decode_fits(const MoeArgs& a, const MoeWeights& w) {
+  const int gb = w.gate.bits, db = w.down.bits;
+  return a.T <= kQmvMaxT && w.up.bits == gb && w.shared_gate.bits == gb && w.shared_up.bits == gb &&
+         w.shared_down.bits == db;
+}
+
+void moe_decode(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint16_t* m, const Route& r,
+                uint16_t* out) {
+  MoeDecodeArgs d{};
+  d.T = a.T, d.H = a.H, d.k = a.top_k, d.I = a.I, d.IS = a.IS, d.hs = std::max(a.I, a.IS);
+  d.tiles = int(cdiv(d.hs, kDecodeRowsPerGroup));
+  d.gate_group = w.gate.group, d.up_group = w.up.group, d.sgate_group = w.shared_gate.group;
+  d.sup_group = w.shared_up.group, d.down_group = w.down.group, d.sdown_group = w.shared_down.group;
+  float* h = static_cast<float*>(enc.scratch(kSlotMoeHidden, size_t(a.T) * (a.top_k + 1) * d.hs * sizeof(float)));
+  const Size3 threads{MOE_DECODE_SIMDGROUPS * 32, 1, 1};
+
+  enc.kernel(by_bits(w.gate.bits, "moe_gate_up_q4", "moe_gate_up_q8"));
+  enc.set_args(d);
+  enc.set_buffer(1, m);                   // m
+  enc.set_buffer(2, r.ids);               // ids
+  bind_matrix(enc, 3, w.gate);            // gate_w, gate_s, gate_b
+  bind_matrix(enc, 6, w.up);              // up_w, up_s, up_b
+  bind_matrix(enc, 9, w.shared_gate);     // sgate_w, sgate_s, sgate_b
+  bind_matrix(enc, 12, w.shared_up);      // sup_w, sup_s, sup_b
+  enc.set_buffer(15, h);                  // h
+  enc.dispatch({uint32_t((a.top_k + 1) * d.tiles), uint32_t(a.T), 1}, threads);
+
+  enc.kernel(by_bits(w.down.bits, "moe_down_q4", "moe_down_q8"));
+  enc.set_args(d);
+  enc.set_buffer(1, h);                   // h
+  enc.set_buffer(2, r.ids);               // ids
+  enc.set_buffer(3, r.wts);               // wts
+  enc.set_buffer(4, r.gamma);             // gamma
+  bind_matrix(enc, 5, w.down);            // down_w, down_s, down_b
+  bind_matrix(enc, 8, w.shared_down);     // sdown_w, sdown_s, sdown_b
+  enc.set_buffer(11, out);                // out
+  enc.dispatch({cdiv(a.H, kDecodeRowsPerGroup), uint32_t(a.T), 1}, threads);
+}
+
+void moe_prefill(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint16_t* m, const Route& r,
+                 uint16_t* out) {
+  const int T = a.T, k = a.top_k, E = a.E, H = a.H, IS = a.IS, P = T * k;
+
+  // Expert-sorted order of the P pairs: offsets[E+1], rows[P], pos[P], and the per-tile counts and bases.
+  MoeSortArgs sa{};
+  sa.P = P, sa.k = k, sa.E = E, sa.tiles = int(cdiv(P, MOE_SORT_TILE));
+  const size_t off_b = align256(size_t(E + 1) * 4), pair_b = align256(size_t(P) * 4);
+  const size_t tile_b = align256(size_t(sa.tiles) * E * 4);
+  char* sb = static_cast<char*>(enc.scratch(kSlotMoeSort, off_b + 2 * pair_b + 2 * tile_b));
+  int32_t* offsets = reinterpret_cast<int32_t*>(sb);
+  int32_t* rows = reinterpret_cast<int32_t*>(sb + off_b);
+  int32_t* pos = reinterpret_cast<int32_t*>(sb + off_b + pair_b);
+  int32_t* tile_counts = reinterpret_cast<int32_t*>(sb + off_b + 2 * pair_b);
+  int32_t* tile_base = reinterpret_cast<int32_t*>(sb + off_b + 2 * pair_b + tile_b);
+
+  enc.kernel("moe_hist");
+  enc.set_args(sa);
+  enc.set_buffer(1, r.ids);        // ids
+  enc.set_buffer(2, tile_counts);  // tile_counts
+  enc.dispatch({uint32_t(sa.tiles), 1, 1}, {MOE_SORT_TILE, 1, 1});
+
+  enc.kernel("moe_scan");
+  enc.set_args(sa);
+  enc.set_buffer(1, tile_counts);  // tile_counts
+  enc.set_buffer(2, tile_base);    // tile_base
+  enc.set_buffer(3, offsets);      // offsets
+  enc.dispatch({1, 1, 1}, {MOE_MAX_EXPERTS, 1, 1});
+
+  enc.kernel("moe_scatter");
+  enc.set_args(sa);
+  enc.set_buffer(1, r.ids);        // ids
+  enc.set_buffer(2, tile_base);    // tile_base
+  enc.set_buffer(3, offsets);      // offsets
+  enc.set_buffer(4, rows);         // rows
+  enc.set_buffer(5, pos);          // pos
+  enc.dispatch({uint32_t(sa.tiles), 1, 1}, {MOE_SORT_TILE, 1, 1});
+
+  // Routed experts on the sorted rows: h = silu(m·W_gateᵀ) ⊙ (m·W_upᵀ), then yd = h·W_downᵀ.
+  uint16_t* h = static_cast<uint16_t*>(enc.scratch(kSlotMoeHidden, size_t(P) * a.I * sizeof(uint16_t)));
+  uint16_t* yd = static_cast<uint16_t*>(enc.scratch(kSlotMoeOut, size_t(P) * H * sizeof(uint16_t)));
+  moe_gemm(enc, w.gate, &w.up, offsets, rows, P, m, h);
+  moe_gemm(enc, w.down, nullptr, offsets, nullptr, P, h, yd);
+
+  // Shared expert: g, u f32 by qmm, sh = silu(g)·u (bf16), s = sh·W_sdᵀ.
+  const size_t gu_b = align256(size_t(T) * IS * sizeof(float)), sh_b = align256(size_t(T) * IS * sizeof(uint16_t));
+  char* shb = static_cast<char*>(enc.scratch(kSlotMoeShared, 2 * gu_b + sh_b + size_t(T) * H * sizeof(uint16_t)));
+  float* sg = reinterpret_cast<float*>(shb);
+  float* su = reinterpret_cast<float*>(shb + gu_b);
+  uint16_t* sh = reinterpret_cast<uint16_t*>(shb + 2 * gu_b);
+  uint16_t* s = reinterpret_cast<uint16_t*>(shb + 2 * gu_b + sh_b);
+  qmm(enc, w.shared_gate, m, T, sg, true);
+  qmm(enc, w.shared_up, m, T, su, true);
+  const MoeSwigluArgs swa{T * IS};
+  enc.kernel("moe_swiglu");
+  enc.set_args(swa);
+  enc.set_buffer(1, sg);  // g
+  enc.set_buffer(2, su);  // u
+  enc.set_buffer(3, sh);  // h
+  enc.dispatch({cdiv(swa.n, MOE_ELEMENT_THREADS), 1, 1}, {MOE_ELEMENT_THREADS, 1, 1});
+  qmm(enc, w.shared_down, sh, T, s, false);
+
+  const MoeCombineArgs ca{T, H, k};
+  enc.kernel("moe_combine");
+  enc.set_args(ca);
+  enc.set_buffer(1, yd);       // yd
+  enc.set_buffer(2, s);        // s
+  enc.set_buffer(3, pos);      // pos
+  enc.set_buffer(4, r.wts);    // wts
+  enc.set_buffer(5, r.gamma);  // gamma
+  enc.set_buffer(6, out);      // out
+  enc.dispatch({cdiv(H, MOE_ELEMENT_THREADS), uint32_t(T), 1}, {MOE_ELEMENT_THREADS, 1, 1});
+}
+
+}  // namespace
+
+void moe(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint16_t* m, uint16_t* out) {
+  LILY_CHECK(a.T >= 0, "moe: T = ", a.T, " is negative");
+  LILY_CHECK(a.E >= 1 && a.E <= MOE_MAX_EXPERTS, "moe: E = ", a.E, " must be in [1, ", MOE_MAX_EXPERTS, "]");
+  LILY_CHECK(a.top_k >= 1 && a.top_k <= std::min(a.E, 32), "moe: top_k = ", a.top_k, " must be in [1, min(E, 32)]");
+  LILY_CHECK(a.H > 0 && a.H % 8 == 0, "moe: H = ", a.H, " must be a positive multiple of 8");
+  LILY_CHECK(a.I > 0 && a.I % 8 == 0 && a.IS > 0 && a.IS % 8 == 0, "moe: I = ", a.I, " and IS = ", a.IS,
+             " must be positive multiples of 8");
+  check_matrix(w.router, "router", 1, a.E, a.H);
+  check_matrix(w.gate, "gate", a.E, a.I, a.H);
+  check_matrix(w.up, "up", a.E, a.I, a.H);
+  check_matrix(w.down, "down", a.E, a.H, a.I);
+  check_matrix(w.shared_gate, "shared_gate", 1, a.IS, a.H);
+  check_matrix(w.shared_up, "shared_up", 1, a.IS, a.H);
+  check_matrix(w.shared_down, "shared_down", 1, a.H, a.IS);
+  check_matrix(w.shared_expert_gate, "shared_expert_gate", 1, 1, a.H);
+  LILY_CHECK(aligned(m, 16), "moe: m must be 16-byte aligned");
+  LILY_CHECK(int64_t(a.T) * (a.top_k + 1) * std::max({a.H, a.I, a.IS, a.E}) < (int64_t(1) << 31),
+             "moe: T·(top_k+1)·max(H, I, IS, E) must stay below 2^31");
+  if (a.T == 0) return;
+
+  float* logits = static_cast<float*>(enc.scratch(kSlotMoeLogits, size_t(a.T) * a.E * sizeof(float)));
+  const size_t tk = align256(size_t(a.T) * a.top_k * 4);
+  char* rb = static_cast<char*>(enc.scratch(kSlotMoeRoute, 2 * tk + size_t(a.T) * sizeof(float)));
+  const Route r{reinterpret_cast<int32_t*>(rb), reinterpret_cast<float*>(rb + tk),
+                reinterpret_cast<float*>(rb + 2 * tk)};
+
+  qmm(enc, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
+  const MoeRouteArgs ra{a.T, a.E, a.top_k, a.H, w.shared_expert_gate.group, a.norm_topk_prob ? 1 : 0};
+  enc.kernel(by_bits(w.shared_expert_gate.bits, "moe_route_s4", "moe_route_s8"));
+  enc.set_args(ra);
+  enc.set_buffer(1, logits);                     // logits
+  enc.set_buffer(2, m);                          // m
+  bind_matrix(enc, 3, w.shared_expert_gate);     // seg_w, seg_s, seg_b
+  enc.set_buffer(6, r.ids);                      // ids
+  enc.set_buffer(7, r.wts);                      // wts
+  enc.set_buffer(8, r.gamma);                    // gamma
+  enc.dispatch({cdiv(a.T, MOE_ROUTE_TOKENS), 1, 1}, {MOE_ROUTE_TOKENS * 32, 1, 1});
+
+  if (decode_fits(a, w))
+    moe_decode(enc, a, w, m, r, out);
+  else
+    moe_prefill(enc, a, w, m, r, out);
+}
+
+}  // namespace lily::metal

@@ -1,0 +1,52 @@
+// ops.h: the Metal launchers, one per Backend op (backend.h gives the math and layouts; the CUDA launchers in
+// ../cuda/ops.cuh are the model to mirror: same op names, same tiling ideas expressed with simdgroups). Each
+// launcher checks its preconditions with LILY_CHECK, binds the args struct and the buffers, and dispatches through
+// the Encoder; it never allocates except via enc.scratch and never waits. Activations are bf16 (`uint16_t` bits
+// on the host side, `bfloat` in MSL); fp32 where backend.h says so.
+#pragma once
+#include "backend/backend.h"
+#include "backend/metal/encoder.h"
+
+namespace lily::metal {
+
+// Scratch slots, one set per op file so buffers never alias within a forward pass.
+enum Slot : int {
+  kSlotMoeLogits, kSlotMoeRoute, kSlotMoeSort, kSlotMoeHidden, kSlotMoeOut, kSlotMoeShared,
+  kSlotAttnQ, kSlotAttnPartial,
+  kSlotGdn,
+  kNumSlots
+};
+
+// Largest T handled by the GEMV kernels; above it the simdgroup-matrix GEMM.
+constexpr int kQmvMaxT = 8;
+
+// norm.cpp (metal/norm.metal)
+void embed(Encoder& enc, const QMatrix& table, const int32_t* tokens, int T, float* x);
+void rms_norm(Encoder& enc, const float* x, const float* w, int T, int H, float eps, uint16_t* out);
+void add_rms_norm(Encoder& enc, float* x, const uint16_t* d, const float* w, int T, int H, float eps, uint16_t* out);
+
+// qmm.cpp (metal/qmv.metal, metal/qmm.metal)
+void qmm(Encoder& enc, const QMatrix& W, const uint16_t* x, int T, void* y, bool y_f32);
+void qmm_multi(Encoder& enc, const QMatrix* W, int n, const uint16_t* x, int T, uint16_t* const* y);
+// Grouped expert GEMM (MoE prefill), same contract as cuda::moe_gemm (ops.cuh).
+void moe_gemm(Encoder& enc, const QMatrix& A, const QMatrix* B, const int32_t* offsets, const int32_t* rows,
+              int max_rows, const uint16_t* x, uint16_t* y);
+
+// attention.cpp (metal/attention.metal); reads a.pos_dev when set
+void attention(Encoder& enc, const AttnArgs& a, const uint16_t* qg, const uint16_t* k, const uint16_t* v,
+               const float* q_norm, const float* k_norm, uint16_t* k_cache, uint16_t* v_cache, uint16_t* out);
+
+// gdn.cpp (metal/gdn.metal)
+void gdn_conv(Encoder& enc, const GdnArgs& a, const uint16_t* x, const float* w, uint16_t* conv_state, uint16_t* out);
+void gdn_scan(Encoder& enc, const GdnArgs& a, const uint16_t* c, const uint16_t* b, const uint16_t* alpha,
+              const float* A_log, const float* dt_bias, float* state, uint16_t* y);
+void gdn_norm(Encoder& enc, const GdnArgs& a, const uint16_t* y, const uint16_t* z, const float* w, uint16_t* out);
+
+// moe.cpp (metal/moe.metal)
+void moe(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint16_t* m, uint16_t* out);
+
+// sample.cpp (metal/sample.metal): core/sample.h's rules on the device, as cuda::sample.
+bool can_sample(const SamplingParams& p, int n_valid);
+void sample(Encoder& enc, const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st);
+
+}  // namespace lily::metal

@@ -1,0 +1,33 @@
+// attention_args.h: the argument structs of metal/attention.metal, shared by the kernels and their launcher
+// (csrc/backend/metal/attention.cpp), and the tile shape of attn_main that both sides derive from the head dim.
+// Plain int/float fields only, so the layout is the same in MSL and C++.
+#pragma once
+
+#define ATTN_MAX_HD 256
+#define ATTN_PREP_SG 4     // attn_prep: simdgroups (items) per threadgroup
+#define ATTN_NT 128        // attn_main: threads per threadgroup (4 simdgroups)
+#define ATTN_COMBINE_NT 128  // attn_combine: threads per threadgroup
+
+// attn_main tile: BM packed query rows (row r = t·G + j of one kv head) against key tiles of BC keys. Q (fp32) + the
+// K, V tiles (bf16) + the scores stay under Apple's 32 KB of threadgroup memory: 24.6 KB at HD = 256, 26.1 KB at 128.
+constexpr int attn_bm(int hd) { return hd == 256 ? 16 : 32; }
+constexpr int attn_bc(int hd) { return hd == 256 ? 8 : hd == 128 ? 16 : 32; }
+
+// attn_prep: q/k RMSNorm, RoPE, cache append. One item = one (token, q head) or (token, kv head).
+struct AttnPrepArgs {
+  int T, NH, NKV, HD;
+  int R;          // rotary dims (the first R of each head, rotate-half pairs (i, i + R/2))
+  int cache_cap;  // cache rows; a k/v row at or past it is never written
+  float eps;      // q/k RMSNorm epsilon
+  float inv_freq[ATTN_MAX_HD / 2];  // θ_i = theta^(−2i/R), computed on the host exactly as the CPU reference
+};
+
+// attn_main_* / attn_split_* / attn_combine.
+struct AttnMainArgs {
+  int T, NH, NKV, G, HD;  // G = NH / NKV query heads per kv head
+  int cache_cap;
+  int S;           // key splits (grid z); 1 = no split, attn_main writes the gated output itself
+  int block;       // keys per split (a multiple of BC); split z covers keys z·block .. z·block + block − 1
+  int Rpad;        // packed rows per kv head rounded up to BM (row stride of the partials)
+  float scale_log2;  // HD^-1/2 · log2(e): scores live in the log2 domain
+};

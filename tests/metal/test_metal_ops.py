@@ -1,0 +1,69 @@
+"""Every op case of tests/ops/cases.py on the Metal kernels, executed by the CPU harness, against the CPU reference
+backend, with the tolerance logic of tests/ops/test_ops.py.
+
+Thread orders: every case in forward order; the "edge" cases (odd sizes) also in reverse and random order, and once
+more (forward) in the ASan/UBSan build. "slow" cases are left to GPU runs, and so are the two prefill GEMMs above
+2 GFLOP (8 and 16 s in the harness on one core) unless LILY_METAL_FULL=1. A kernel that does not
+exist yet fails its cases with "Metal kernel '<name>' is not implemented".
+"""
+import os
+import secrets
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ops.cases import CASES, make
+
+# Set in the ASan subprocess (test_edge_cases_under_asan): run only the edge cases, forward.
+ASAN_CHILD = "LILY_METAL_ASAN_CHILD"
+MAX_FLOPS = float("inf") if os.environ.get("LILY_METAL_FULL") == "1" else 2e9
+
+
+def _runs():
+    child = bool(os.environ.get(ASAN_CHILD))
+    for case in CASES:
+        edge = "edge" in case.tags
+        if "slow" in case.tags or (child and not edge):
+            continue
+        if case.flops() > MAX_FLOPS:
+            reason = f"{case.flops() / 1e9:.1f} GFLOP: too slow for the CPU harness in CI (LILY_METAL_FULL=1 runs it)"
+            yield pytest.param("forward", case, id=f"forward-{case.id}", marks=pytest.mark.skip(reason=reason))
+            continue
+        for order in ("forward", "reverse", "random") if edge and not child else ("forward",):
+            yield pytest.param(order, case, id=f"{order}-{case.id}")
+
+
+def check(case, ref: dict, got: dict) -> None:
+    """The assertions of tests/ops/test_ops.py."""
+    assert ref.keys() == got.keys()
+    for name, r in ref.items():
+        g = got[name]
+        assert g.shape == r.shape
+        assert np.isfinite(g).all(), f"{case.id}/{name}: non-finite values at {np.flatnonzero(~np.isfinite(g))[:8]}"
+        err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
+        worst = int(np.argmax(np.abs(g - r)))
+        assert err <= case.tol, (f"{case.id}/{name}: relative error {err:.2e} > {case.tol:.0e}; worst at flat index "
+                                 f"{worst}: got {g[worst]:.6g}, want {r[worst]:.6g}")
+
+
+@pytest.mark.parametrize("order, case", list(_runs()))
+def test_op_matches_cpu(core, monkeypatch, order, case):
+    seed = secrets.randbits(63)
+    print(f"rng seed and LILY_METAL_SEED: {seed}")
+    monkeypatch.setenv("LILY_METAL_ORDER", order)
+    monkeypatch.setenv("LILY_METAL_SEED", str(seed))
+    params, inputs = make(case, np.random.default_rng(seed))
+    ref = core.testing.run_op("cpu", case.op, params, inputs)
+    got = core.testing.run_op("metal", case.op, params, inputs)
+    check(case, ref, got)
+
+
+@pytest.mark.skipif(bool(os.environ.get(ASAN_CHILD)), reason="already in the ASan subprocess")
+def test_edge_cases_under_asan(asan_env):
+    """The edge cases in the ASan/UBSan build: any out-of-bounds access or undefined behaviour aborts the run."""
+    env = dict(asan_env, **{ASAN_CHILD: "1"})
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+                        "-k", "test_op_matches_cpu"], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, f"edge cases under ASan/UBSan (rc {r.returncode}):\n{(r.stdout + r.stderr)[-12000:]}"
