@@ -14,6 +14,17 @@ namespace {
 
 thread_local bool t_in_worker = false;
 
+// One parallel region: its tasks, the next unclaimed index, and how many tasks are done and threads still inside.
+// It lives on the stack of Pool::run, which returns only when every task is done and no worker still holds it.
+struct Job {
+  const std::function<void(int64_t)>* task;
+  int64_t n;
+  std::atomic<int64_t> next{0};
+  int64_t done = 0;  // guarded by Pool::mu_
+  int users = 0;     // workers inside execute(); guarded by Pool::mu_
+  std::exception_ptr error;
+};
+
 class Pool {
  public:
   explicit Pool(int n) {
@@ -27,67 +38,69 @@ class Pool {
     cv_.notify_all();
     for (auto& t : workers_) t.join();
   }
-  int size() const { return int(workers_.size()) + 1; }
 
   void run(int64_t n_tasks, const std::function<void(int64_t)>& task) {
     std::lock_guard<std::mutex> serial(run_mu_);  // one parallel region at a time
+    Job job;
+    job.task = &task;
+    job.n = n_tasks;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      task_ = &task;
-      n_tasks_ = n_tasks;
-      next_.store(0);
-      pending_ = n_tasks;
-      error_ = nullptr;
+      job_ = &job;
       ++generation_;
     }
     cv_.notify_all();
-    work();
+    t_in_worker = true;  // nested parallel_for calls from the tasks run inline
+    execute(job);
+    t_in_worker = false;
     std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return pending_ == 0; });
-    task_ = nullptr;
-    if (error_) std::rethrow_exception(error_);
+    done_cv_.wait(lk, [&] { return job.done == job.n && job.users == 0; });
+    job_ = nullptr;
+    if (job.error) std::rethrow_exception(job.error);
   }
 
  private:
-  void work() {
-    t_in_worker = true;
+  void execute(Job& job) {
     for (;;) {
-      int64_t i = next_.fetch_add(1);
-      if (i >= n_tasks_) break;
+      const int64_t i = job.next.fetch_add(1);
+      if (i >= job.n) return;
+      std::exception_ptr err;
       try {
-        (*task_)(i);
+        (*job.task)(i);
       } catch (...) {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (!error_) error_ = std::current_exception();
+        err = std::current_exception();
       }
       std::lock_guard<std::mutex> lk(mu_);
-      if (--pending_ == 0) done_cv_.notify_all();
+      if (err && !job.error) job.error = err;
+      if (++job.done == job.n) done_cv_.notify_all();
     }
-    t_in_worker = false;
   }
   void loop() {
     uint64_t seen = 0;
     for (;;) {
+      Job* job;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return stop_ || (generation_ != seen && task_ != nullptr); });
+        cv_.wait(lk, [&] { return stop_ || (job_ != nullptr && generation_ != seen); });
         if (stop_) return;
         seen = generation_;
+        job = job_;
+        ++job->users;
       }
-      work();
+      t_in_worker = true;
+      execute(*job);
+      t_in_worker = false;
+      std::lock_guard<std::mutex> lk(mu_);
+      if (--job->users == 0 && job->done == job->n) done_cv_.notify_all();
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex mu_, run_mu_;
   std::condition_variable cv_, done_cv_;
-  const std::function<void(int64_t)>* task_ = nullptr;
-  int64_t n_tasks_ = 0;
-  std::atomic<int64_t> next_{0};
-  int64_t pending_ = 0;
+  Job* job_ = nullptr;
   uint64_t generation_ = 0;
   bool stop_ = false;
-  std::exception_ptr error_;
 };
 
 Pool& pool() {

@@ -107,5 +107,8 @@ def asan_env(asan_build) -> dict:
     env = dict(os.environ)
     env.update(LD_PRELOAD=asan_runtime(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", **{MODULE_DIR_ENV: str(asan_build)})
+    symbolizer = Path(CLANG).resolve().parent / "llvm-symbolizer"  # .metal lines in the reports
+    if symbolizer.exists():
+        env["ASAN_SYMBOLIZER_PATH"] = str(symbolizer)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
     return env

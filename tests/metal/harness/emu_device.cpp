@@ -38,6 +38,7 @@ class EmuEncoder final : public metal::Encoder {
   }
 
   void kernel(const char* name) override {
+    b_ = {};  // bindings do not carry over to the next kernel, as on Apple (metal_backend.mm checks the same)
     kernel_ = metal_emu::find_kernel(name);
     if (!kernel_)
       throw KernelError(cat("Metal kernel '", name, "' is not implemented: no metal/*.metal file in this build "

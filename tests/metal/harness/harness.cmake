@@ -47,9 +47,6 @@ add_executable(metal_emu_run ${LILY_HARNESS_DIR}/driver.cpp ${LILY_HARNESS_DIR}/
 target_include_directories(metal_emu_run PRIVATE ${LILY_HARNESS_DIR})
 target_compile_options(metal_emu_run PRIVATE -O2 -fno-fast-math -Wall)
 
-# The tests load this module next to lily._core, which binds the same C++ types: a nanobind domain of its own keeps
-# the two type registries apart (the module target and nanobind-static are created after this file).
-cmake_language(DEFER CALL target_compile_definitions nanobind-static PUBLIC NB_DOMAIN=${LILY_MODULE_NAME})
 
 if (LILY_METAL_SANITIZE)
   set(LILY_SAN -fsanitize=address,undefined -fno-sanitize-recover=undefined -fsanitize-address-use-after-return=never
