@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import lily
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 MODULE = "_core_metal_emu"
@@ -110,5 +112,8 @@ def asan_env(asan_build) -> dict:
     symbolizer = Path(CLANG).resolve().parent / "llvm-symbolizer"  # .metal lines in the reports
     if symbolizer.exists():
         env["ASAN_SYMBOLIZER_PATH"] = str(symbolizer)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    # The child imports the same installed `lily` as this process (site-packages or the editable finder).
+    lily_root = Path(lily.__file__).resolve().parents[1]
+    if (lily_root / "lily" / "__init__.py").exists() and any(lily_root.glob("lily/_core*")):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(lily_root), env.get("PYTHONPATH")]))
     return env
