@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from ops.cases import CASES, make
+from ops.cases import CASES, check, make
 
 # Set in the ASan subprocess (test_edge_cases_under_asan): the edge cases and the small model-shape ones, forward.
 ASAN_CHILD = "LILY_METAL_ASAN_CHILD"
@@ -36,19 +36,6 @@ def _runs():
         all_orders = not child and (edge or case.flops() <= 1e9)
         for order in ("forward", "reverse", "random") if all_orders else ("forward",):
             yield pytest.param(order, case, id=f"{order}-{case.id}")
-
-
-def check(case, ref: dict, got: dict) -> None:
-    """The assertions of tests/ops/test_ops.py."""
-    assert ref.keys() == got.keys()
-    for name, r in ref.items():
-        g = got[name]
-        assert g.shape == r.shape
-        assert np.isfinite(g).all(), f"{case.id}/{name}: non-finite values at {np.flatnonzero(~np.isfinite(g))[:8]}"
-        err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
-        worst = int(np.argmax(np.abs(g - r)))
-        assert err <= case.tol, (f"{case.id}/{name}: relative error {err:.2e} > {case.tol:.0e}; worst at flat index "
-                                 f"{worst}: got {g[worst]:.6g}, want {r[worst]:.6g}")
 
 
 @pytest.mark.parametrize("order, case", list(_runs()))

@@ -125,6 +125,19 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
     return p, x
 
 
+def check(case: Case, ref: dict, got: dict) -> None:
+    """A backend's outputs against the CPU reference's: same names and shapes, finite, within case.tol."""
+    assert ref.keys() == got.keys()
+    for name, r in ref.items():
+        g = got[name]
+        assert g.shape == r.shape
+        assert np.isfinite(g).all(), f"{case.id}/{name}: non-finite values at {np.flatnonzero(~np.isfinite(g))[:8]}"
+        err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
+        worst = int(np.argmax(np.abs(g - r)))
+        assert err <= case.tol, (f"{case.id}/{name}: relative error {err:.2e} > {case.tol:.0e}; worst at flat index "
+                                 f"{worst}: got {g[worst]:.6g}, want {r[worst]:.6g}")
+
+
 def _traffic(c: Case) -> int:
     d = c.dims
     qb = lambda n, k, bits=4, g=64: n * k * bits // 8 + n * (k // g) * 4
