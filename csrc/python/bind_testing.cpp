@@ -7,6 +7,7 @@
 // `<name>.biases`) and int32 for token ids. Outputs come back as float32 arrays.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 
 #include <chrono>
@@ -21,6 +22,12 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 using namespace lily;
+
+#ifdef LILY_HAS_METAL_EMU
+namespace lily {
+std::map<std::string, uint64_t> metal_emu_dispatches();  // tests/metal/harness/emu_device.cpp
+}
+#endif
 
 namespace {
 
@@ -257,6 +264,10 @@ void init_testing(nb::module_& m) {
         },
         "backend"_a, "op"_a, "params"_a, "inputs"_a,
         "Runs one op; returns its outputs (and inputs it updates in place) as float32 arrays.");
+#ifdef LILY_HAS_METAL_EMU
+  t.def("metal_kernels", &metal_emu_dispatches,
+        "Every kernel of metal/*.metal in this harness build, with the number of times it has been dispatched.");
+#endif
   t.def("time_op",
         [](const std::string& backend_name, const std::string& op, const nb::dict& params, const nb::dict& inputs,
            int iters) {

@@ -26,6 +26,9 @@ HERE = Path(__file__).resolve().parent
 MODULE = "_core_metal_emu"
 # Set in the subprocess of an ASan test: import the module from this directory, do not build.
 MODULE_DIR_ENV = "LILY_METAL_MODULE_DIR"
+# Set in the ASan/UBSan run of the kernel tests (test_asan.py), which takes one thread order.
+ASAN_CHILD = "LILY_METAL_ASAN_CHILD"
+THREAD_ORDERS = ("forward",) if os.environ.get(ASAN_CHILD) else ("forward", "reverse", "random")
 
 
 def find_clang() -> str | None:
@@ -53,6 +56,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if HERE in Path(item.path).parents:
             item.add_marker(skip)
+
+
+def pytest_generate_tests(metafunc):
+    """A test that takes `thread_order` runs in every order of the harness (forward only in the ASan run)."""
+    if "thread_order" in metafunc.fixturenames:
+        metafunc.parametrize("thread_order", THREAD_ORDERS)
 
 
 def build(name: str, *options: str) -> Path:

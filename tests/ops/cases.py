@@ -108,9 +108,10 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
     elif op == "moe":
         T, H, E, I, IS = d["T"], d["H"], d["E"], d["I"], d["IS"]
         p["norm_topk_prob"] = True
-        for name, e, n, k, bits in (("router", 0, E, H, 8), ("gate", E, I, H, 4), ("up", E, I, H, 4),
-                                    ("down", E, H, I, 4), ("shared_gate", 0, IS, H, 4), ("shared_up", 0, IS, H, 4),
-                                    ("shared_down", 0, H, IS, 4), ("shared_expert_gate", 0, 1, H, 8)):
+        eb, gb = d.get("bits", 4), d.get("gate_bits", 8)  # experts (routed and shared); router and shared gate
+        for name, e, n, k, bits in (("router", 0, E, H, gb), ("gate", E, I, H, eb), ("up", E, I, H, eb),
+                                    ("down", E, H, I, eb), ("shared_gate", 0, IS, H, eb), ("shared_up", 0, IS, H, eb),
+                                    ("shared_down", 0, H, IS, eb), ("shared_expert_gate", 0, 1, H, gb)):
             q, kp = qmatrix(rng, name, e, n, k, bits, std=k ** -0.5 * (3.0 if name == "router" else 1.0))
             x.update(q), p.update(kp)
         m = rng.normal(0, 1.0, size=(T, H))
@@ -147,8 +148,9 @@ def _traffic(c: Case) -> int:
         return sum(qb(n, d["K"]) + 2 * d["T"] * n for n in d["Ns"]) + 2 * d["T"] * d["K"]
     if c.op == "moe":
         k = d["top_k"]
-        routed = min(d["E"], d["T"] * k) * (3 * qb(d["I"], d["H"]))
-        return qb(d["E"], d["H"], 8) + routed + 3 * qb(d["IS"], d["H"]) + 4 * d["T"] * d["H"]
+        eb, gb = d.get("bits", 4), d.get("gate_bits", 8)
+        routed = min(d["E"], d["T"] * k) * (3 * qb(d["I"], d["H"], eb))
+        return qb(d["E"], d["H"], gb) + routed + 3 * qb(d["IS"], d["H"], eb) + 4 * d["T"] * d["H"]
     if c.op == "attention":
         return 2 * (d["pos0"] + d["T"]) * d["NKV"] * d["HD"] * 2 + d["T"] * d["NH"] * d["HD"] * 8
     if c.op == "gdn_scan":
@@ -190,13 +192,17 @@ CASES = [
     Case("rms_norm", dict(T=3, H=192), tags=("edge",)),
     Case("add_rms_norm", dict(T=1, H=2048), tags=("model",)),
     Case("add_rms_norm", dict(T=5, H=320), tags=("edge",)),
+    # 4 and 8 float4 chunks per thread
+    *[Case(op, dict(T=3, H=h), tags=("edge",)) for op in ("rms_norm", "add_rms_norm") for h in (4000, 6000)],
     # decode GEMV at every real projection shape
     *[Case("qmm", dict(T=1, N=n, K=k, bits=b), tags=("model",)) for n, k, b in (
         (8192, 2048, 4), (4096, 2048, 4), (512, 2048, 4), (32, 2048, 4), (2048, 4096, 4), (256, 2048, 8),
-        (1, 2048, 8), (2048, 512, 4), (512, 2048, 4))],
+        (1, 2048, 8), (2048, 512, 4))],
     Case("qmm", dict(T=1, N=248320, K=2048, y_f32=True), tags=("model", "slow"), name="qmm-lm_head"),
     Case("qmm", dict(T=4, N=8192, K=2048), tags=("model",)),
     Case("qmm", dict(T=8, N=2048, K=4096), tags=("model",)),
+    # the GEMV at every token count it takes (1 to 8 rows), 4- and 8-bit
+    *[Case("qmm", dict(T=t, N=72, K=256, bits=b), tags=("edge",)) for b in (4, 8) for t in range(2, 9)],
     # the GDN and attention input projections in one launch
     Case("qmm_multi", dict(T=1, K=2048, Ns=(8192, 4096, 32, 32)), tags=("model",)),
     Case("qmm_multi", dict(T=1, K=2048, Ns=(8192, 512, 512)), tags=("model",)),
@@ -225,6 +231,10 @@ CASES = [
     Case("attention", dict(T=130, pos0=0, NH=8, NKV=2, HD=32), tags=("edge",)),
     Case("attention", dict(T=3, pos0=33000, NH=4, NKV=1, HD=32), tags=("edge",)),  # the split path past 32K
     Case("attention", dict(T=20, pos0=500, NH=2, NKV=1, HD=32), tags=("edge",)),   # splits crossing the mask
+    # the other head dims, unsplit and split
+    Case("attention", dict(T=17, pos0=3, NH=4, NKV=2, HD=128), tags=("edge",)),
+    Case("attention", dict(T=2, pos0=600, NH=4, NKV=1, HD=128), tags=("edge",)),
+    Case("attention", dict(T=20, pos0=500, NH=2, NKV=1, HD=64), tags=("edge",)),
     # a replayed decode step: the kernels must take the position from the device, not the (stale) host value
     Case("attention", dict(T=1, pos0=700, NH=16, NKV=2, HD=256, device_pos=True), tags=("model",)),
     Case("attention", dict(T=1, pos0=40, NH=4, NKV=1, HD=32, device_pos=True), tags=("edge",)),
@@ -245,4 +255,8 @@ CASES = [
     Case("moe", dict(T=127, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
     Case("moe", dict(T=300, H=256, E=12, top_k=3, I=128, IS=64), tags=("edge",)),
     *[Case("moe", dict(T=t, H=128, E=8, top_k=2, I=64, IS=64, skewed=True), tags=("edge",)) for t in (1, 2, 127)],
+    # 8-bit experts with a 4-bit router and shared gate: decode, and prefill with 10 and 40 rows per expert
+    *[Case("moe", dict(T=t, H=128, E=8, top_k=2, I=64, IS=64, bits=8, gate_bits=4), tags=("edge",))
+      for t in (3, 40, 160)],
 ]
+assert len({c.id for c in CASES}) == len(CASES), "two op cases share an id"

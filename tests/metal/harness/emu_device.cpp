@@ -6,6 +6,7 @@
 // dispatch; LILY_METAL_SEED seeds the random order (dispatch i uses seed + i; default: a fresh seed per backend).
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -21,6 +22,11 @@ namespace lily {
 namespace {
 
 using metal_emu::KernelError;
+
+void register_kernels() {
+  static std::once_flag once;
+  std::call_once(once, metal_emu::register_all_kernels);
+}
 
 // MTLBuffer contents are page aligned; 256 bytes covers every vector access. The size is exact, so ASan sees any
 // access past the end.
@@ -110,10 +116,7 @@ class EmuEncoder final : public metal::Encoder {
 
 class EmuDevice final : public metal::Device {
  public:
-  EmuDevice() {
-    static std::once_flag once;
-    std::call_once(once, metal_emu::register_all_kernels);
-  }
+  EmuDevice() { register_kernels(); }
   std::string name() const override { return "Metal CPU harness (tests/metal/harness)"; }
   void* alloc(size_t bytes) override { return aligned(bytes); }
   void release(void* p) override { std::free(p); }
@@ -128,5 +131,14 @@ class EmuDevice final : public metal::Device {
 }  // namespace
 
 std::unique_ptr<Backend> make_metal_backend() { return metal::make_backend(std::make_unique<EmuDevice>()); }
+
+std::map<std::string, uint64_t> metal_emu_dispatches() {
+  register_kernels();
+  std::map<std::string, uint64_t> out;
+  metal_emu::kernel_dispatches(
+      [](void* ctx, const char* name, uint64_t n) { (*static_cast<std::map<std::string, uint64_t>*>(ctx))[name] = n; },
+      &out);
+  return out;
+}
 
 }  // namespace lily

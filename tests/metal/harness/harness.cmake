@@ -36,6 +36,9 @@ file(GLOB LILY_METAL_SOURCES CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/metal
 lily_metal_rewrite(LILY_HARNESS_KERNELS ${LILY_HARNESS_GEN} ${LILY_METAL_SOURCES})
 target_sources(lily_core PRIVATE ${LILY_HARNESS_KERNELS} ${LILY_HARNESS_DIR}/scheduler.cpp
                ${LILY_HARNESS_DIR}/emu_device.cpp)
+# Hidden: the kernels reach the scheduler by direct calls, not through the PLT of the Python module.
+set_property(SOURCE ${LILY_HARNESS_KERNELS} ${LILY_HARNESS_DIR}/scheduler.cpp ${LILY_HARNESS_DIR}/emu_device.cpp
+             APPEND PROPERTY COMPILE_OPTIONS -fvisibility=hidden)
 target_include_directories(lily_core PRIVATE ${LILY_HARNESS_DIR})
 target_compile_definitions(lily_core PUBLIC LILY_HAS_METAL_EMU)
 

@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <map>
@@ -124,14 +125,8 @@ struct Fiber {
   Loc loc;
   Pos pos;
   uint32_t matrix_ops;  // simdgroup matrix operations since the simdgroup's last scheduling point
+  MatrixLane matrix;    // what matrix_op sees while this fiber runs
   void* fake_stack;     // ASan's record of this fiber's stack while it is switched out
-};
-
-// A simdgroup matrix operation as the first lane to reach it saw it; the other lanes must agree.
-struct MatrixOp {
-  unsigned char key[kSlotBytes];
-  const char* what;
-  Loc loc;
 };
 
 // Fiber stacks, reused by every dispatch of this OS thread (mapped lazily, a guard page below each).
@@ -160,7 +155,8 @@ struct Group {
   std::vector<Fiber> fibers;
   std::vector<Exchange> exchange;                      // per simdgroup: the last completed collective
   std::vector<unsigned char> arrivals;                 // per thread: its value at the pending collective
-  std::vector<std::vector<MatrixOp>> matrix_log;       // per simdgroup: matrix operations since the last sync
+  std::vector<MatrixOp*> matrix_log;                   // per simdgroup: matrix operations since the last sync
+  std::vector<uint32_t> matrix_log_size;
   std::vector<std::unique_ptr<unsigned char[]>> mem;   // this group's threadgroup memory blocks
   void* dynamic[kMaxBindings];
   std::map<const void*, void*> statics;
@@ -172,11 +168,20 @@ struct Group {
   std::exception_ptr error;
 };
 
-thread_local Group* g_group = nullptr;
+// initial-exec: the module is loaded with dlopen, where the default TLS model calls __tls_get_addr on every access
+// (8 % of the run time of the GEMM kernels, which reach the scheduler once per lane and matrix operation).
+__attribute__((tls_model("initial-exec"))) thread_local Group* g_group = nullptr;
 thread_local StackPool g_stacks;
+thread_local std::vector<std::unique_ptr<MatrixOp[]>> g_logs;  // matrix logs, reused like the stacks
 
-std::map<std::string, Kernel>& registry() {
-  static std::map<std::string, Kernel> r;
+struct Registered {
+  Kernel k;
+  std::atomic<uint64_t> dispatches{0};
+  explicit Registered(const Kernel& k) : k(k) {}
+};
+
+std::map<std::string, Registered>& registry() {
+  static std::map<std::string, Registered> r;
   return r;
 }
 
@@ -196,6 +201,7 @@ void* tg_alloc(Group& g, size_t bytes, const std::string& what) {
 
 void switch_to_fiber(Group& g, Fiber& f) {
   g.cur = &f;
+  g_matrix = &f.matrix;
 #ifdef METAL_EMU_ASAN
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(&fake, f.stack, kStackBytes);
@@ -204,6 +210,7 @@ void switch_to_fiber(Group& g, Fiber& f) {
 #else
   metal_emu_switch(&g.sched_sp, f.sp);
 #endif
+  g_matrix = nullptr;
 }
 
 void switch_to_scheduler(Group& g, Fiber& f, bool exiting) {
@@ -288,27 +295,30 @@ std::string states(const Group& g) {
 
 // Every lane of simdgroup s must have run the logged matrix operations since the last sync; clears the log.
 void check_matrix_ops(Group& g, uint32_t s) {
-  std::vector<MatrixOp>& log = g.matrix_log[s];
+  uint32_t& size = g.matrix_log_size[s];
   const uint32_t first = s * kSimd, last = std::min(g.n, first + kSimd);
-  if (!log.empty()) {
+  if (size) {
     for (uint32_t i = first; i < first + kSimd; ++i) {
       const uint32_t ran = i < last ? g.fibers[i].matrix_ops : 0;
-      if (ran != log.size()) {
-        const MatrixOp& op = log[ran < log.size() ? ran : 0];
+      if (ran != size) {
+        const MatrixOp& op = g.matrix_log[s][ran < size ? ran : 0];
         throw KernelError(where(op.loc) + ": " + op.what + ": " + kernel_text(g) + ": lane " +
                           std::to_string(i - first) + " of simdgroup " + std::to_string(s) + " ran " +
-                          std::to_string(ran) + " of the " + std::to_string(log.size()) +
+                          std::to_string(ran) + " of the " + std::to_string(size) +
                           " simdgroup matrix operations since the last barrier or collective; they need all 32 lanes "
                           "of the simdgroup, in uniform control flow");
       }
     }
   }
-  log.clear();
+  size = 0;
   for (uint32_t i = first; i < last; ++i) g.fibers[i].matrix_ops = 0;
 }
 
+// Equal strings: the same literal almost always (one call site), so compare pointers before characters.
+bool same_text(const char* a, const char* b) { return a == b || std::strcmp(a, b) == 0; }
+
 bool same_site(const Fiber& a, const Fiber& b) {
-  return a.loc.line == b.loc.line && std::strcmp(a.loc.file, b.loc.file) == 0 && std::strcmp(a.what, b.what) == 0;
+  return a.loc.line == b.loc.line && same_text(a.loc.file, b.loc.file) && same_text(a.what, b.what);
 }
 
 // Releases simdgroup s if every live lane waits at the same collective.
@@ -369,15 +379,19 @@ void run_group(Group& g, Order order, std::mt19937_64& rng) {
 }  // namespace
 
 void register_kernel(const Kernel& k) {
-  auto [it, fresh] = registry().emplace(k.name, k);
+  auto [it, fresh] = registry().try_emplace(k.name, k);
   if (!fresh)
-    throw KernelError("kernel name '" + std::string(k.name) + "' is defined twice: " + where(it->second.loc) +
+    throw KernelError("kernel name '" + std::string(k.name) + "' is defined twice: " + where(it->second.k.loc) +
                       " and " + where(k.loc));
 }
 
 const Kernel* find_kernel(const char* name) {
   auto it = registry().find(name);
-  return it == registry().end() ? nullptr : &it->second;
+  return it == registry().end() ? nullptr : &it->second.k;
+}
+
+void kernel_dispatches(void (*visit)(void* ctx, const char* name, uint64_t dispatches), void* ctx) {
+  for (auto& [name, r] : registry()) visit(ctx, name.c_str(), r.dispatches.load());
 }
 
 void run(const Kernel& k, const Bindings& b, U3 groups, U3 threads, Order order, uint64_t seed) {
@@ -386,6 +400,7 @@ void run(const Kernel& k, const Bindings& b, U3 groups, U3 threads, Order order,
     throw KernelError("kernel '" + std::string(k.name) + "': " + std::to_string(n) + " threads per threadgroup " +
                       str(threads) + "; Metal allows 1 to 1024");
   const uint64_t n_groups = uint64_t(groups.x) * groups.y * groups.z;
+  if (auto it = registry().find(k.name); it != registry().end()) ++it->second.dispatches;
   if (n_groups == 0) return;
   Group g;
   g.k = &k, g.b = &b, g.n = uint32_t(n);
@@ -393,7 +408,9 @@ void run(const Kernel& k, const Bindings& b, U3 groups, U3 threads, Order order,
   const uint32_t sgs = uint32_t((n + kSimd - 1) / kSimd);
   g.exchange.resize(sgs);
   g.arrivals.assign(size_t(sgs) * kSimd * kSlotBytes, 0);
-  g.matrix_log.resize(sgs);
+  while (g_logs.size() < sgs) g_logs.emplace_back(new MatrixOp[kMatrixLog]);
+  for (uint32_t s = 0; s < sgs; ++s) g.matrix_log.push_back(g_logs[s].get());
+  g.matrix_log_size.assign(sgs, 0);
   std::vector<uint64_t> order_of_groups(n_groups);
   std::iota(order_of_groups.begin(), order_of_groups.end(), uint64_t(0));
   std::mt19937_64 rng(seed);
@@ -417,6 +434,7 @@ void run(const Kernel& k, const Bindings& b, U3 groups, U3 threads, Order order,
     for (uint32_t t = 0; t < n; ++t) {
       Fiber& f = g.fibers[t];
       f.state = State::ready, f.fake_stack = nullptr, f.matrix_ops = 0;
+      f.matrix = {g.matrix_log[t / kSimd], &g.matrix_log_size[t / kSimd], &f.matrix_ops, t % kSimd == 0};
       f.what = "", f.loc = {"", 0};
       f.stack = g_stacks.get(t);
       Pos& p = f.pos;
@@ -426,7 +444,7 @@ void run(const Kernel& k, const Bindings& b, U3 groups, U3 threads, Order order,
       p.index = t, p.sg = t / kSimd, p.lane = t % kSimd, p.sgs = sgs;
       f.sp = new_fiber_stack(f.stack);
     }
-    for (auto& log : g.matrix_log) log.clear();
+    std::fill(g.matrix_log_size.begin(), g.matrix_log_size.end(), 0u);
     try {
       run_group(g, order, rng);
     } catch (...) {
@@ -452,19 +470,19 @@ const Exchange& simd_exchange(const void* value, size_t bytes, const char* what,
   return g_group->exchange[f.pos.sg];
 }
 
-bool matrix_op(const void* key, const char* what, Loc loc) {
-  Fiber& f = current(what);
-  std::vector<MatrixOp>& log = g_group->matrix_log[f.pos.sg];
-  const uint32_t k = f.matrix_ops++;
-  if (k == log.size()) {
-    log.push_back({{}, what, loc});
-    std::memcpy(log.back().key, key, kSlotBytes);
-  } else if (std::strcmp(log[k].what, what) != 0 || std::memcmp(log[k].key, key, kSlotBytes) != 0) {
-    fail(what, loc, ("lanes disagree on simdgroup matrix operation " + std::to_string(k) + " since the last "
-                     "sync (first seen as " + log[k].what + " at " + where(log[k].loc) +
-                     "): the address, the layout or the operation differ (non-uniform use)").c_str());
-  }
-  return f.pos.lane == 0;
+__thread MatrixLane* g_matrix = nullptr;
+
+void matrix_outside(const char* what) { throw KernelError(std::string(what) + " called outside a kernel dispatch"); }
+
+void matrix_mismatch(const MatrixOp& first, const char* what, Loc loc, uint32_t k) {
+  fail(what, loc, ("lanes disagree on simdgroup matrix operation " + std::to_string(k) + " since the last "
+                   "sync (first seen as " + first.what + " at " + where(first.loc) +
+                   "): the address, the layout or the operation differ (non-uniform use)").c_str());
+}
+
+void matrix_overflow(const char* what, Loc loc) {
+  fail(what, loc, ("more than " + std::to_string(kMatrixLog) + " simdgroup matrix operations between two "
+                   "barriers or collectives (the harness's log)").c_str());
 }
 
 void* tg_dynamic(int index) {

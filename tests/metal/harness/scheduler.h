@@ -9,6 +9,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 
 namespace metal_emu {
@@ -65,6 +66,8 @@ struct Kernel {
 void register_kernel(const Kernel& k);
 const Kernel* find_kernel(const char* name);
 void register_all_kernels();  // generated: calls every .metal file's registration function
+// Every registered kernel (host name) with the number of dispatches it has run in this process.
+void kernel_dispatches(void (*visit)(void* ctx, const char* name, uint64_t dispatches), void* ctx);
 
 enum class Order { forward, reverse, random };
 
@@ -86,10 +89,55 @@ void barrier(const char* what, Loc loc);  // threadgroup_barrier
 // Blocks until every live lane of the caller's simdgroup gives its value at the same collective; `lane` is the
 // caller's lane.
 const Exchange& simd_exchange(const void* value, size_t bytes, const char* what, Loc loc, int& lane);
-// A simdgroup matrix load, store or multiply: every lane calls it with kSlotBytes of what the lanes must agree on
-// (address, layout); the scheduler checks that all 32 lanes run the same sequence. True for the lane that does
-// the work (lane 0; every lane holds the matrix only in name).
-bool matrix_op(const void* key, const char* what, Loc loc);
+// What the lanes must agree on at a simdgroup matrix operation: its address (null for a multiply) and layout.
+struct MatrixKey {
+  const void* first;
+  uint64_t elements_per_row;
+  bool transpose;
+};
+
+// A simdgroup matrix operation as the first lane to reach it saw it; the other lanes must agree.
+struct MatrixOp {
+  MatrixKey key;
+  const char* what;
+  Loc loc;
+};
+
+// The running fiber's view of its simdgroup's matrix log (the scheduler points g_matrix at it on every switch).
+struct MatrixLane {
+  MatrixOp* log;        // the simdgroup's operations since its last sync (capacity kMatrixLog)
+  uint32_t* log_size;
+  uint32_t* ran;        // operations this lane ran since the last sync
+  bool lane0;
+};
+constexpr uint32_t kMatrixLog = 4096;
+extern __thread MatrixLane* g_matrix __attribute__((tls_model("initial-exec")));
+
+[[noreturn]] void matrix_mismatch(const MatrixOp& first, const char* what, Loc loc, uint32_t k);
+[[noreturn]] void matrix_overflow(const char* what, Loc loc);
+[[noreturn]] void matrix_outside(const char* what);
+
+// A simdgroup matrix load, store or multiply: every lane calls it; the scheduler checks at the next sync that all
+// 32 lanes ran the same sequence. True for the lane that does the work (lane 0; every lane holds the matrix only
+// in name). Inline, with the key in registers: the GEMM kernels call it once per lane and operation, and as an
+// out-of-line call comparing keys in memory it was half of their run time in the harness.
+__attribute__((always_inline)) inline bool matrix_op(MatrixKey key, const char* what, Loc loc) {
+  MatrixLane* m = g_matrix;
+  if (!m) matrix_outside(what);
+  const uint32_t k = (*m->ran)++;
+  if (k < *m->log_size) {
+    const MatrixOp& op = m->log[k];
+    if (op.key.first != key.first || op.key.elements_per_row != key.elements_per_row ||
+        op.key.transpose != key.transpose || (op.what != what && std::strcmp(op.what, what) != 0))
+      matrix_mismatch(op, what, loc, k);
+  } else {
+    if (k == kMatrixLog) matrix_overflow(what, loc);
+    m->log[k] = {key, what, loc};
+    *m->log_size = k + 1;
+  }
+  return m->lane0;
+}
+
 void* tg_dynamic(int index);                            // this group's [[threadgroup(index)]] memory
 void* tg_static(const void* tag, size_t bytes, size_t align, Loc loc);  // this group's `threadgroup T x[N]`
 [[noreturn]] void fail(const char* what, Loc loc, const char* message);
