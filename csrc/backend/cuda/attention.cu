@@ -45,6 +45,7 @@
 // History  v1 (this), H200, real shapes, per layer: prefill 4K from 0 633 µs (217 TFLOP/s incl. prep), 2K chunk
 //          at 8K 1.23 ms (252 TFLOP/s); decode T=1 (CUDA graph) 13.5 µs at 4K (latency-bound: prep ~2.8 µs, main
 //          + combine ~10 µs), 78 µs at 128K (3.4 TB/s of K/V).
+#include "backend/checks.h"
 #include "backend/cuda/ops.cuh"
 
 #include <algorithm>
@@ -568,14 +569,7 @@ void run_attention(Ctx& ctx, KArgs ka, const bf16* q, const bf16* k_cache, const
 
 void attention(Ctx& ctx, const AttnArgs& a, const bf16* qg, const bf16* k, const bf16* v, const float* q_norm,
                const float* k_norm, bf16* k_cache, bf16* v_cache, bf16* out) {
-  LILY_CHECK(a.T >= 1 && a.NH >= 1 && a.NKV >= 1 && a.NH % a.NKV == 0, "attention: bad heads NH=", a.NH,
-             " NKV=", a.NKV, " (T=", a.T, ")");
-  LILY_CHECK(a.HD == 32 || a.HD == 64 || a.HD == 128 || a.HD == 256, "attention: head dim ", a.HD,
-             " is not one of 32, 64, 128, 256");
-  LILY_CHECK(a.rotary_dim >= 0 && a.rotary_dim % 2 == 0 && a.rotary_dim <= a.HD, "attention: rotary_dim ",
-             a.rotary_dim, " must be even and at most HD=", a.HD);
-  LILY_CHECK(a.pos0 >= 0 && int64_t(a.pos0) + a.T <= a.cache_cap, "attention: rows ", a.pos0, "..",
-             int64_t(a.pos0) + a.T, " exceed the KV cache capacity ", a.cache_cap);
+  check_attention(a);
   LILY_CHECK(int64_t(a.T) * a.NH <= INT32_MAX && int64_t(a.cache_cap) * a.NKV * a.HD <= (int64_t(1) << 40),
              "attention: shape too large (T=", a.T, ", cache_cap=", a.cache_cap, ")");
   KArgs ka{};

@@ -9,6 +9,7 @@
 //          group bias: s·q + b = s·(128 + q) + (b − 128·s).
 //   8-bit: byte i in bits 0..7 under 0x4B gives 2^23 + q; subtracting 2^23 is exact, so kOffset = 0.
 #pragma once
+#include "backend/checks.h"
 #include "backend/cuda/common.cuh"
 
 namespace lily::cuda {
@@ -51,17 +52,7 @@ inline int log2_exact(int v) {
   return s;
 }
 
-// The preconditions qmv and the GEMMs share: one weight layout the kernels can read with 16-byte loads and whose
-// 32-code runs never straddle a group.
-inline void check_qmatrix(const QMatrix& W, const char* op, const char* what) {
-  LILY_CHECK(W.w && W.scales && W.biases, op, ": ", what, " has a null codes/scales/biases pointer");
-  LILY_CHECK(W.bits == 4 || W.bits == 8, op, ": ", what, " has bits=", W.bits, " (4 or 8 supported)");
-  LILY_CHECK(W.group == 32 || W.group == 64 || W.group == 128, op, ": ", what, " has group=", W.group,
-             " (32, 64 or 128 supported)");
-  LILY_CHECK(W.N >= 1 && W.K >= W.group && W.K % W.group == 0, op, ": ", what, " has N=", W.N, ", K=", W.K,
-             "; K must be a positive multiple of the group size ", W.group);
-  LILY_CHECK(W.E >= 1, op, ": ", what, " has E=", W.E);
-  LILY_CHECK(reinterpret_cast<uintptr_t>(W.w) % 16 == 0, op, ": ", what, " codes are not 16-byte aligned");
-}
+// The preconditions qmv and the GEMMs share (backend/checks.h: check_qmatrix) give one weight layout the kernels
+// can read with 16-byte loads and whose 32-code runs never straddle a group.
 
 }  // namespace lily::cuda

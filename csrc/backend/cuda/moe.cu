@@ -43,6 +43,7 @@
 // History  v1 (this)
 #include <algorithm>
 
+#include "backend/checks.h"
 #include "backend/cuda/ops.cuh"
 
 namespace lily::cuda {
@@ -476,15 +477,6 @@ __global__ void __launch_bounds__(kDownMaxWarps * 32) moe_down_kernel(const __gr
 
 // ---- launcher helpers ---------------------------------------------------------------------------------------------
 
-void check_matrix(const QMatrix& q, const char* name, int E, int N, int K) {
-  LILY_CHECK(q.w && q.scales && q.biases, "moe: ", name, " has a null codes/scales/biases pointer");
-  LILY_CHECK(q.E == E && q.N == N && q.K == K, "moe: ", name, " is [", q.E, ", ", q.N, ", ", q.K, "], expected [",
-             E, ", ", N, ", ", K, "]");
-  LILY_CHECK(q.bits == 4 || q.bits == 8, "moe: ", name, " has bits=", q.bits, " (4 or 8 supported)");
-  LILY_CHECK(q.group > 0 && q.group % (32 / q.bits) == 0 && K % q.group == 0, "moe: ", name, " has group=", q.group,
-             ", which must divide K=", K, " and be a multiple of ", 32 / q.bits);
-}
-
 // Whether the decode kernels take these shapes: a row of K codes splits into 16-byte chunks that stay in one group.
 bool chunks_fit(const QMatrix& q, int bits, int max_chunks) {
   const int codes = 128 / bits;
@@ -573,14 +565,9 @@ void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* o
   LILY_CHECK(a.top_k >= 1 && a.top_k <= std::min(a.E, 31), "moe: top_k = ", a.top_k, " must be in [1, min(E, 31)]");
   LILY_CHECK(a.H > 0 && a.H % 8 == 0, "moe: H = ", a.H, " must be a positive multiple of 8");
   LILY_CHECK(a.I > 0 && a.IS > 0, "moe: I = ", a.I, " and IS = ", a.IS, " must be positive");
-  check_matrix(w.router, "router", 1, a.E, a.H);
-  check_matrix(w.gate, "gate", a.E, a.I, a.H);
-  check_matrix(w.up, "up", a.E, a.I, a.H);
-  check_matrix(w.down, "down", a.E, a.H, a.I);
-  check_matrix(w.shared_gate, "shared_gate", 1, a.IS, a.H);
-  check_matrix(w.shared_up, "shared_up", 1, a.IS, a.H);
-  check_matrix(w.shared_down, "shared_down", 1, a.H, a.IS);
-  check_matrix(w.shared_expert_gate, "shared_expert_gate", 1, 1, a.H);
+  for (const MoeMatrix& mm : check_moe_matrices(a, w))  // present, shaped, 4 or 8 bits; then this file's rule
+    LILY_CHECK(mm.q.group > 0 && mm.q.group % (32 / mm.q.bits) == 0 && mm.K % mm.q.group == 0, "moe: ", mm.name,
+               " has group=", mm.q.group, ", which must divide K=", mm.K, " and be a multiple of ", 32 / mm.q.bits);
   LILY_CHECK(aligned(m, 16) && aligned(out, 16), "moe: m and out must be 16-byte aligned");
   LILY_CHECK(int64_t(a.T) * a.top_k * std::max(a.H, std::max(a.I, a.IS)) < (int64_t(1) << 31),
              "moe: T·top_k·max(H, I, IS) must stay below 2^31");

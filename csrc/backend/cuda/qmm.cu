@@ -421,16 +421,7 @@ void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) 
 
 void moe_gemm(Ctx& ctx, const QMatrix& A, const QMatrix* B, const int32_t* offsets, const int32_t* rows,
               int max_rows, const bf16* x, bf16* y) {
-  check_qmatrix(A, "moe_gemm", "A");
-  if (B) {
-    check_qmatrix(*B, "moe_gemm", "B");
-    LILY_CHECK(B->E == A.E && B->N == A.N && B->K == A.K && B->bits == A.bits && B->group == A.group,
-               "moe_gemm: B (E=", B->E, ", N=", B->N, ", K=", B->K, ", bits=", B->bits, ", group=", B->group,
-               ") does not match A (E=", A.E, ", N=", A.N, ", K=", A.K, ", bits=", A.bits, ", group=", A.group, ")");
-  }
-  LILY_CHECK(offsets && x && y, "moe_gemm: null offsets, x or y");
-  LILY_CHECK(max_rows >= 0, "moe_gemm: max_rows=", max_rows);
-  LILY_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "moe_gemm: x is not 16-byte aligned");
+  check_moe_gemm(A, B, offsets, x, y, max_rows);
   check_out_alignment("moe_gemm", y, A.N, 2);
   if (max_rows == 0) return;
   const int gshift = log2_exact(A.group);

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "../../../metal/attention_args.h"
+#include "backend/checks.h"
 #include "backend/metal/ops.h"
 #include "core/common.h"
 
@@ -30,14 +31,7 @@ void bind_pos(Encoder& enc, int index, const AttnArgs& a) {
 
 void attention(Encoder& enc, const AttnArgs& a, const uint16_t* qg, const uint16_t* k, const uint16_t* v,
                const float* q_norm, const float* k_norm, uint16_t* k_cache, uint16_t* v_cache, uint16_t* out) {
-  LILY_CHECK(a.T >= 1 && a.NH >= 1 && a.NKV >= 1 && a.NH % a.NKV == 0, "attention: bad heads NH=", a.NH,
-             " NKV=", a.NKV, " (T=", a.T, ")");
-  LILY_CHECK(a.HD == 32 || a.HD == 64 || a.HD == 128 || a.HD == 256, "attention: head dim ", a.HD,
-             " is not one of 32, 64, 128, 256");
-  LILY_CHECK(a.rotary_dim >= 0 && a.rotary_dim % 2 == 0 && a.rotary_dim <= a.HD, "attention: rotary_dim ",
-             a.rotary_dim, " must be even and at most HD=", a.HD);
-  LILY_CHECK(a.pos0 >= 0 && int64_t(a.pos0) + a.T <= a.cache_cap, "attention: rows ", a.pos0, "..",
-             int64_t(a.pos0) + a.T, " exceed the KV cache capacity ", a.cache_cap);
+  check_attention(a);
   LILY_CHECK(int64_t(a.cache_cap) * a.NKV * a.HD <= INT32_MAX && int64_t(a.T) * a.NH * 2 * a.HD <= INT32_MAX,
              "attention: shape too large for 32-bit indices (T=", a.T, ", cache_cap=", a.cache_cap, ")");
   LILY_CHECK(reinterpret_cast<uintptr_t>(k_cache) % 8 == 0 && reinterpret_cast<uintptr_t>(v_cache) % 8 == 0,

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "../../../metal/moe_args.h"
+#include "backend/checks.h"
 #include "backend/metal/ops.h"
 #include "core/common.h"
 
@@ -19,17 +20,6 @@ constexpr int kDecodeRowsPerGroup = MOE_DECODE_SIMDGROUPS * MOE_DECODE_ROWS;
 bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 uint32_t cdiv(int64_t a, int64_t b) { return uint32_t((a + b - 1) / b); }
-
-void check_matrix(const QMatrix& q, const char* name, int E, int N, int K) {
-  LILY_CHECK(q.w && q.scales && q.biases, "moe: ", name, " has a null codes/scales/biases pointer");
-  LILY_CHECK(q.E == E && q.N == N && q.K == K, "moe: ", name, " is [", q.E, ", ", q.N, ", ", q.K, "], expected [",
-             E, ", ", N, ", ", K, "]");
-  LILY_CHECK(q.bits == 4 || q.bits == 8, "moe: ", name, " has bits=", q.bits, " (4 or 8 supported)");
-  LILY_CHECK(q.group > 0 && q.group % 8 == 0 && K % q.group == 0, "moe: ", name, " has group=", q.group,
-             ", which must divide K=", K, " and be a multiple of 8");
-  LILY_CHECK(uint64_t(E) * N * q.words_per_row() < (uint64_t(1) << 32), "moe: ", name,
-             " has too many codes for 32-bit indices");
-}
 
 // Where the routing lands: per token the k expert ids, their weights ŵ, and γ.
 struct Route {
@@ -169,14 +159,12 @@ void moe(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint16_t* m,
   LILY_CHECK(a.H > 0 && a.H % 8 == 0, "moe: H = ", a.H, " must be a positive multiple of 8");
   LILY_CHECK(a.I > 0 && a.I % 8 == 0 && a.IS > 0 && a.IS % 8 == 0, "moe: I = ", a.I, " and IS = ", a.IS,
              " must be positive multiples of 8");
-  check_matrix(w.router, "router", 1, a.E, a.H);
-  check_matrix(w.gate, "gate", a.E, a.I, a.H);
-  check_matrix(w.up, "up", a.E, a.I, a.H);
-  check_matrix(w.down, "down", a.E, a.H, a.I);
-  check_matrix(w.shared_gate, "shared_gate", 1, a.IS, a.H);
-  check_matrix(w.shared_up, "shared_up", 1, a.IS, a.H);
-  check_matrix(w.shared_down, "shared_down", 1, a.H, a.IS);
-  check_matrix(w.shared_expert_gate, "shared_expert_gate", 1, 1, a.H);
+  for (const MoeMatrix& mm : check_moe_matrices(a, w)) {  // present, shaped, 4 or 8 bits; then these kernels' rules
+    LILY_CHECK(mm.q.group > 0 && mm.q.group % 8 == 0 && mm.K % mm.q.group == 0, "moe: ", mm.name, " has group=",
+               mm.q.group, ", which must divide K=", mm.K, " and be a multiple of 8");
+    LILY_CHECK(uint64_t(mm.E) * mm.N * mm.q.words_per_row() < (uint64_t(1) << 32), "moe: ", mm.name,
+               " has too many codes for 32-bit indices");
+  }
   LILY_CHECK(aligned(m, 16), "moe: m must be 16-byte aligned");
   LILY_CHECK(int64_t(a.T) * (a.top_k + 1) * std::max({a.H, a.I, a.IS, a.E}) < (int64_t(1) << 31),
              "moe: T·(top_k+1)·max(H, I, IS, E) must stay below 2^31");

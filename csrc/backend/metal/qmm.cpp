@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "../../../metal/qmm_args.h"
+#include "backend/checks.h"
 #include "backend/metal/ops.h"
 #include "core/common.h"
 
@@ -22,16 +23,9 @@ int log2_exact(int v) {
 }
 
 // What every kernel of this file needs from a weight: 16-byte code loads and 16-code runs that never straddle a
-// group, indices that fit in 32 bits.
-void check_qmatrix(const QMatrix& W, const char* op, const char* what) {
-  LILY_CHECK(W.w && W.scales && W.biases, op, ": ", what, " has a null codes/scales/biases pointer");
-  LILY_CHECK(W.bits == 4 || W.bits == 8, op, ": ", what, " has bits=", W.bits, " (4 or 8 supported)");
-  LILY_CHECK(W.group == 32 || W.group == 64 || W.group == 128, op, ": ", what, " has group=", W.group,
-             " (32, 64 or 128 supported)");
-  LILY_CHECK(W.N >= 1 && W.K >= W.group && W.K % W.group == 0, op, ": ", what, " has N=", W.N, ", K=", W.K,
-             "; K must be a positive multiple of the group size ", W.group);
-  LILY_CHECK(W.E >= 1, op, ": ", what, " has E=", W.E);
-  LILY_CHECK(aligned(W.w, 16), op, ": ", what, " codes are not 16-byte aligned");
+// group (backend/checks.h: check_qmatrix), indices that fit in 32 bits.
+void check_weight(const QMatrix& W, const char* op, const char* what) {
+  check_qmatrix(W, op, what);
   LILY_CHECK(int64_t(W.E) * W.N * int64_t(W.words_per_row()) < (int64_t(1) << 31), op, ": ", what, " (E=", W.E,
              ", N=", W.N, ", K=", W.K, ") has too many code words for 32-bit indexing");
 }
@@ -47,7 +41,7 @@ constexpr const char* kQmvNames[2][kQmvMaxT] = {
 void qmv(Encoder& enc, const QMatrix* Ws, int n, const uint16_t* x, int T, void* const* ys, bool y_f32) {
   const QMatrix& W = Ws[0];
   for (int i = 0; i < n; ++i) {
-    check_qmatrix(Ws[i], "qmm", "W");
+    check_weight(Ws[i], "qmm", "W");
     LILY_CHECK(Ws[i].E == 1, "qmm: W must be one matrix (E=", Ws[i].E, ")");
     LILY_CHECK(Ws[i].K == W.K && Ws[i].bits == W.bits && Ws[i].group == W.group,
                "qmm_multi: matrices sharing a dispatch need the same K, bits and group size");
@@ -105,7 +99,7 @@ void qmm(Encoder& enc, const QMatrix& W, const uint16_t* x, int T, void* y, bool
     qmv(enc, &W, 1, x, T, &y, y_f32);
     return;
   }
-  check_qmatrix(W, "qmm", "W");
+  check_weight(W, "qmm", "W");
   LILY_CHECK(W.E == 1, "qmm: W must be one matrix (E=", W.E, ")");
   LILY_CHECK(x && y, "qmm: null x or y");
   LILY_CHECK(aligned(x, 16), "qmm: x is not 16-byte aligned");
@@ -140,16 +134,8 @@ void qmm_multi(Encoder& enc, const QMatrix* W, int n, const uint16_t* x, int T, 
 
 void moe_gemm(Encoder& enc, const QMatrix& A, const QMatrix* B, const int32_t* offsets, const int32_t* rows,
               int max_rows, const uint16_t* x, uint16_t* y) {
-  check_qmatrix(A, "moe_gemm", "A");
-  if (B) {
-    check_qmatrix(*B, "moe_gemm", "B");
-    LILY_CHECK(B->E == A.E && B->N == A.N && B->K == A.K && B->bits == A.bits && B->group == A.group,
-               "moe_gemm: B (E=", B->E, ", N=", B->N, ", K=", B->K, ", bits=", B->bits, ", group=", B->group,
-               ") does not match A (E=", A.E, ", N=", A.N, ", K=", A.K, ", bits=", A.bits, ", group=", A.group, ")");
-  }
-  LILY_CHECK(offsets && x && y, "moe_gemm: null offsets, x or y");
-  LILY_CHECK(max_rows >= 0, "moe_gemm: max_rows=", max_rows);
-  LILY_CHECK(aligned(x, 16), "moe_gemm: x is not 16-byte aligned");
+  check_moe_gemm(A, B, offsets, x, y, max_rows);
+  check_weight(A, "moe_gemm", "A");  // B has A's shape
   LILY_CHECK(int64_t(max_rows) * std::max(A.N, A.K) < (int64_t(1) << 31), "moe_gemm: max_rows=", max_rows,
              " with N=", A.N, ", K=", A.K, " is too large for 32-bit indexing");
   if (max_rows == 0) return;
