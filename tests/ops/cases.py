@@ -53,6 +53,31 @@ def _act(rng, shape, std=1.0):
     return bf16(rng.normal(0.0, std, size=shape))
 
 
+def dequantize(words, scales, biases, bits: int, group: int) -> np.ndarray:
+    """The float64 matrix [N, K] of MLX affine codes (LSB first), bf16 scales and biases."""
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    q = ((words[..., None] >> shifts) & np.uint32(2**bits - 1)).reshape(words.shape[0], -1).astype(np.float64)
+    s, b = (np.repeat(bf16_to_float32(v).astype(np.float64), group, axis=1) for v in (scales, biases))
+    return s * q + b
+
+
+# Smallest gap between a token's k-th and (k+1)-th router logit in the MoE cases (logits have std ~3). A backend
+# that rounds the router's weights to bf16 for its tensor cores moves a logit by ~0.006: a smaller gap is a tie it
+# may break the other way, which swaps an expert and fails the case without any kernel being wrong.
+ROUTING_MARGIN = 0.05
+
+
+def _clear_routing(rng, m: np.ndarray, router: np.ndarray, k: int) -> np.ndarray:
+    """m (bf16 values) with every token redrawn until its top-k experts lead the rest by ROUTING_MARGIN."""
+    for _ in range(1000):
+        top = -np.sort(-(m @ router.T), axis=1)
+        tied = top[:, k - 1] - top[:, k] < ROUTING_MARGIN
+        if not tied.any():
+            return m
+        m[tied] = bf16(rng.normal(0, 1.0, size=(int(tied.sum()), m.shape[1])))
+    raise RuntimeError("could not draw MoE inputs with clear routing")
+
+
 def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
     """(params, inputs) for lily._core.testing.run_op."""
     d, op = dict(case.dims), case.op
@@ -114,13 +139,16 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
                                     ("shared_down", 0, H, IS, eb), ("shared_expert_gate", 0, 1, H, gb)):
             q, kp = qmatrix(rng, name, e, n, k, bits, std=k ** -0.5 * (3.0 if name == "router" else 1.0))
             x.update(q), p.update(kp)
-        m = rng.normal(0, 1.0, size=(T, H))
+        m = bf16(rng.normal(0, 1.0, size=(T, H)))
         if d.get("skewed"):  # every token picks the same experts: whole-T groups (1, 2, 127 rows per expert)
             m = np.abs(m)
             s = np.zeros((E, H // 64), np.float32)
             b = np.linspace(0.02, 0.0, E, dtype=np.float32)[:, None] * np.ones((1, H // 64), np.float32)
             x["router.scales"], x["router.biases"] = float32_to_bf16(s), float32_to_bf16(b)
-        x["m"] = bf16(m)
+        else:
+            router = dequantize(x["router.w"], x["router.scales"], x["router.biases"], gb, 64)
+            m = _clear_routing(rng, m.astype(np.float64), router, d["top_k"]).astype(np.float32)
+        x["m"] = m
     else:
         raise ValueError(f"unknown op {op!r}")
     return p, x
