@@ -1,26 +1,43 @@
 #!/usr/bin/env bash
-# One run on the lent H200: build Lily with the CUDA backend, run the CUDA op and model tests, time the ops, then
-# the whole-model benchmark. Usage (device tool): bash benchmarks/h200.sh [tests|ops|model|sanitize]...
+# One run on the lent H200: install Lily (a wheel carried in .whl/ when there is one, else a build), then the steps
+# asked for: tests (CUDA op + model tests), bench (the default path, 4K..128K), ablate (each switch off alone),
+# profile (per-kernel times of a prefill chunk and a decode step under ncu), sanitize (memcheck + racecheck).
+# Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|profile|sanitize]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lily-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-steps=${*:-tests ops model}
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+steps=${*:-tests bench}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 t0=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
+if ls .whl/lily-*-cp312-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl > "$OUT/build.log" 2>&1 \
+    || { tail -30 "$OUT/build.log"; exit 1; }
+  export PYTHONPATH=/tmp/site
+else
+  python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+fi
+python3 -c "import lily; print('lily', lily.__file__, lily.backends())" || exit 1
+echo "install: $(( $(date +%s) - t0 )) s"
 for step in $steps; do
+  t=$(date +%s)
   case $step in
-    tests) timeout 300 python3 -m pytest tests/ops tests/test_cuda.py -q -rs --durations=5 -s -p no:cacheprovider \
-             > "$OUT/tests.log" 2>&1; grep -E "passed|failed|^FAILED|^ERROR|relative error|perplexity|agreement" "$OUT/tests.log" | tail -40 ;;
-    ops) timeout 240 python3 benchmarks/bench_ops.py --backend cuda --json "$OUT/ops.json" 2>&1 | tee "$OUT/ops.log" ;;
-    model) timeout 400 python3 benchmarks/bench_model.py --backend cuda --out "$OUT/bench_model.json" ${BENCH_ARGS:-} \
-             2>&1 | tee "$OUT/model.log" ;;
+    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest tests/ops tests/test_cuda.py -q -rs -x --durations=8 -s \
+             -p no:cacheprovider > "$OUT/tests.log" 2>&1
+           grep -E "passed|failed|^FAILED|^ERROR|Error|error|perplexity|agreement|assert" "$OUT/tests.log" | tail -30 ;;
+    bench) timeout 400 python3 benchmarks/bench_model.py --backend cuda --lengths ${BENCH_LENGTHS:-4096,32768,131072} \
+             --greedy --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
+    ablate) timeout 500 python3 benchmarks/bench_model.py --backend cuda --ablate \
+              --lengths ${ABLATE_LENGTHS:-4096,32768,131072} --out "$OUT/ablation.json" 2>&1 | tee "$OUT/ablate.log" ;;
+    profile) NCU="ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum"
+             for what in decode prefill; do
+               timeout 200 $NCU python3 benchmarks/profile_step.py --what $what > "$OUT/$what.csv" 2> "$OUT/$what.err"
+               python3 benchmarks/profile_step.py --summarize "$OUT/$what.csv" --top 24
+             done ;;
     sanitize) for tool in memcheck racecheck; do
         LILY_OP_TAGS=edge timeout 250 compute-sanitizer --tool $tool --error-exitcode 1 \
-          python3 -m pytest tests/ops -q -x -p no:cacheprovider 2>&1 \
-          | tail -15 | tee "$OUT/sanitize-$tool.log"; done ;;
+          python3 -m pytest tests/ops -q -x -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/sanitize-$tool.log"; done ;;
   esac
+  echo "== $step: $(( $(date +%s) - t )) s"
 done

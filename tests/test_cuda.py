@@ -35,10 +35,23 @@ def tiny_pair():
     return lily.Model(ckpt, "cpu"), lily.Model(ckpt, "cuda")
 
 
+# Every optimisation off: the plain path each ablation switch falls back to.
+ALL_OFF = [name for name, _, _ in lily.optimisations()]
+
+
 @pytest.fixture(scope="module")
-def mid_pair():
-    ckpt = build_tiny(seed=7, text_config=MID_TEXT_CONFIG)
-    return lily.Model(ckpt, "cpu"), lily.Model(ckpt, "cuda")
+def mid_ckpt():
+    return build_tiny(seed=7, text_config=MID_TEXT_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def mid_pair(mid_ckpt):
+    return lily.Model(mid_ckpt, "cpu"), lily.Model(mid_ckpt, "cuda")
+
+
+@pytest.fixture(scope="module")
+def mid_plain(mid_ckpt):
+    return lily.Model(mid_ckpt, "cuda", disable=ALL_OFF)
 
 
 def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -56,9 +69,11 @@ def test_tiny_logits_close_to_cpu(tiny_pair):
     assert rel < 0.05 and agree >= 0.9
 
 
-def test_mid_teacher_forced_fidelity(mid_pair):
-    """Perplexity difference and top-1 agreement over 256 positions of text the CPU model itself sampled."""
-    cpu, gpu = mid_pair
+@pytest.mark.parametrize("switches", ["on", "off"])
+def test_mid_teacher_forced_fidelity(mid_pair, mid_plain, switches):
+    """Perplexity difference and top-1 agreement over 256 positions of text the CPU model itself sampled, with every
+    optimisation on (the default) and all off."""
+    cpu, gpu = mid_pair[0], mid_pair[1] if switches == "on" else mid_plain
     rng = np.random.default_rng()
     prompt = rng.integers(0, cpu.n_valid, 16).tolist()
     text = prompt + [r.token for r in lily.stream_generate(cpu, prompt, max_tokens=240, temperature=1.0,
@@ -69,7 +84,7 @@ def test_mid_teacher_forced_fidelity(mid_pair):
     ppl_ref = float(np.exp(_nll(ref[:-1], tokens[1:]).mean()))
     ppl_got = float(np.exp(_nll(got[:-1], tokens[1:]).mean()))
     agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
-    print(f"mid-size: perplexity cpu {ppl_ref:.4f} cuda {ppl_got:.4f} (Δ {abs(ppl_got / ppl_ref - 1):.3%}), "
+    print(f"mid-size ({switches}): perplexity cpu {ppl_ref:.4f} cuda {ppl_got:.4f} (Δ {abs(ppl_got / ppl_ref - 1):.3%}), "
           f"top-1 agreement {agree:.3f} over {len(tokens)} positions")
     assert abs(ppl_got / ppl_ref - 1) < 0.01
     assert agree >= 0.9
@@ -119,3 +134,38 @@ def test_snapshot_restore_on_gpu(tiny_pair):
     s.restore(snap)
     b = s.prefill(tokens[30:])
     assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("switches", ["on", "off"])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
+def test_prompt_lengths_match_cpu(mid_pair, mid_plain, n, switches):
+    """Prompts around the 64-token chunk of the chunked Gated DeltaNet prefill, with the backend's default prefill
+    chunk, then four decode steps: the logits of every step against the CPU's teacher-forced ones."""
+    cpu, gpu = mid_pair[0], mid_pair[1] if switches == "on" else mid_plain
+    tokens = np.random.default_rng().integers(0, cpu.n_valid, n + 4).astype(np.int32)
+    want = cpu.logits(tokens)[n - 1:]
+    s = gpu.core.session(max_context=n + 8)
+    got = np.stack([s.prefill(tokens[:n])] + [s.prefill(tokens[i:i + 1]) for i in range(n, n + 4)])
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    agree = (got.argmax(-1) == want.argmax(-1)).mean()
+    assert rel < 0.05 and agree >= 0.8, (rel, agree)
+
+
+@pytest.mark.parametrize("switches", ["on", "off"])
+def test_prefill_chunk_ends_inside_a_gdn_chunk(mid_pair, mid_plain, switches):
+    """Prefill chunks of 100 tokens: every call after the first starts inside a 64-token GDN chunk of the prompt."""
+    cpu, gpu = mid_pair[0], mid_pair[1] if switches == "on" else mid_plain
+    tokens = np.random.default_rng().integers(0, cpu.n_valid, 300).astype(np.int32)
+    want = cpu.logits(tokens)
+    got = gpu.core.session(max_context=300, prefill_chunk=100).forward_all(tokens)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    agree = (got.argmax(-1) == want.argmax(-1)).mean()
+    assert rel < 0.05 and agree >= 0.9, (rel, agree)
+
+
+def test_generation_with_every_switch_off(mid_plain):
+    """The plain path generates on the device too, and its greedy tokens are the argmax of its own logits."""
+    prompt = np.random.default_rng().integers(0, mid_plain.n_valid, 12).tolist()
+    out = [r.token for r in lily.stream_generate(mid_plain, prompt, max_tokens=16, temperature=0.0)]
+    logits = mid_plain.logits(prompt + out)[len(prompt) - 1:-1, :mid_plain.n_valid]
+    assert (logits.argmax(-1) == np.array(out)).mean() >= 0.9

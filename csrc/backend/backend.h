@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "core/optimisations.h"
 #include "core/sample.h"
 
 namespace lily {
@@ -60,6 +61,23 @@ struct GdnArgs {
   float eps;           // gated RMSNorm epsilon
 };
 
+// The tensors of one Gated DeltaNet core call (gdn_conv → gdn_scan → gdn_norm), for backends that fuse the three.
+struct GdnTensors {
+  const void* x;         // [T, C] the in_proj_qkv output (raw, before the conv)
+  const float* conv_w;   // [C, K]
+  void* conv_state;      // [K-1, C]
+  const void* b;         // [T, NV]
+  const void* alpha;     // [T, NV]
+  const float* A_log;    // [NV]
+  const float* dt_bias;  // [NV]
+  float* state;          // fp32 [NV, DV, DK]
+  const void* z;         // [T, NV·DV]
+  const float* norm_w;   // [DV]
+  void* conv_out;        // scratch [T, C]
+  void* y;               // scratch [T, NV·DV]
+  void* out;             // [T, NV·DV]; may be conv_out, never an input
+};
+
 struct MoeArgs {
   int T, H;
   int E, top_k, I, IS;  // experts, experts per token, expert width, shared-expert width
@@ -89,7 +107,16 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // The device it runs on, as the vendor names it ("NVIDIA H200"); the backend's name where there is none.
+  virtual std::string device() const { return name(); }
   virtual size_t act_bytes() const = 0;
+  // Tokens per forward call during prefill when the user sets none: the backend's measured best trade of speed
+  // against working memory (benchmarks/NOTES.md).
+  virtual int default_prefill_chunk() const = 0;
+
+  // The ablation switches (core/optimisations.h); set once, before any op runs.
+  virtual void set_optimisations(const Optimisations& o) { opts_ = o; }
+  const Optimisations& optimisations() const { return opts_; }
 
   // ---- memory --------------------------------------------------------------------------------------------
   virtual void* alloc(size_t bytes) = 0;  // never returns null; throws std::bad_alloc
@@ -136,10 +163,36 @@ class Backend {
                         const float* dt_bias, float* state, void* y) = 0;
   // gdn_norm: out = rms_norm(y per head; w) · silu(z). y, z, out [T, NV·DV]; w fp32 [DV].
   virtual void gdn_norm(const GdnArgs& a, const void* y, const void* z, const float* w, void* out) = 0;
+  // gdn: the three in order (t.conv_out and t.y hold the intermediates); a backend may fuse them.
+  virtual void gdn(const GdnArgs& a, const GdnTensors& t) {
+    gdn_conv(a, t.x, t.conv_w, t.conv_state, t.conv_out);
+    gdn_scan(a, t.conv_out, t.b, t.alpha, t.A_log, t.dt_bias, t.state, t.y);
+    gdn_norm(a, t.y, t.z, t.norm_w, t.out);
+  }
 
   // Sparse MoE block (§6): router softmax, top-k, renormalise, SwiGLU experts, shared expert with its sigmoid
   // gate. m, out [T, H].
   virtual void moe(const MoeArgs& a, const MoeWeights& w, const void* m, void* out) = 0;
+
+  // ---- the pre-norm residual steps as the forward pass calls them (a backend may fuse each into one op) ----------
+  // y[i] = (rms_norm(x)·w)·W[i]ᵀ for the n ≤ 4 matrices of one projection (n = 1: y_f32 for logits). x fp32 [T, H];
+  // a [T, H] activations is scratch (it may hold rms_norm(x)·w afterwards).
+  virtual void rms_norm_qmm(const float* x, const float* w, int T, int H, float eps, const QMatrix* W, int n, void* a,
+                            void* const* y, bool y_f32) {
+    rms_norm(x, w, T, H, eps, a);
+    if (n == 1)
+      qmm(W[0], a, T, y[0], y_f32);
+    else
+      qmm_multi(W, n, a, T, y);
+  }
+  // The MoE half of a layer with its residual: x += d; m = rms_norm(x)·w; x += moe(m). x fp32 [T, H]; d [T, H]
+  // activations (the mixer's output); m and out [T, H] activations are scratch, and out may be d.
+  virtual void moe_residual(float* x, const void* d, const float* w, float eps, const MoeArgs& a,
+                            const MoeWeights& mw, void* m, void* out) {
+    add_rms_norm(x, d, w, a.T, a.H, eps, m);
+    moe(a, mw, m, out);
+    add_rms_norm(x, out, w, a.T, a.H, eps, m);  // x += moe(m); m, recomputed, is not used
+  }
 
   // ---- decode without host round trips (optional) --------------------------------------------------------
   // True if sample() can select tokens on the device with these parameters (core/sample.h rules and draw).
@@ -159,6 +212,7 @@ class Backend {
 
  protected:
   int32_t host_results_[kResultSlots][2] = {};
+  Optimisations opts_;
 };
 
 std::unique_ptr<Backend> make_backend(const std::string& name);

@@ -6,6 +6,8 @@
 //   for each layer:  x ← x + Mixer(RMSNorm(x))      Mixer = GatedAttention (every 4th layer) or GatedDeltaNet
 //                    x ← x + MoE(RMSNorm(x))
 //   logits ← RMSNorm(x) · W_lmᵀ
+// Each RMSNorm is applied by the op that consumes it (rms_norm_qmm: the mixer's input projections and the lm_head;
+// moe_residual: the MoE half with both residual additions), so a backend can fold it into that op's first kernel.
 #include <algorithm>
 #include <cstring>
 
@@ -14,8 +16,9 @@
 
 namespace lily {
 
-Model::Model(const Config& cfg, const TensorMap& tensors, const std::string& backend)
+Model::Model(const Config& cfg, const TensorMap& tensors, const std::string& backend, const Optimisations& opts)
     : cfg_(cfg), be_(make_backend(backend)) {
+  be_->set_optimisations(opts);
   cfg_.validate();
   w_ = bind_weights(cfg_, tensors, *be_);
 }
@@ -92,11 +95,15 @@ Snapshot Snapshot::deserialize(const uint8_t* data, size_t n) {
 }
 
 Session::Session(const Model& model, int max_context, int prefill_chunk)
-    : model_(model), be_(model.backend()), max_context_(max_context), chunk_(prefill_chunk) {
+    : model_(model),
+      be_(model.backend()),
+      max_context_(max_context),
+      chunk_(prefill_chunk ? prefill_chunk : model.backend().default_prefill_chunk()) {
   const Config& c = model.config();
   LILY_CHECK(max_context > 0 && max_context <= c.max_position_embeddings, "max_context must be in 1..",
              c.max_position_embeddings, " (max_position_embeddings), got ", max_context);
-  LILY_CHECK(prefill_chunk > 0, "prefill_chunk must be positive, got ", prefill_chunk);
+  LILY_CHECK(prefill_chunk >= 0, "prefill_chunk must be positive (or 0 for the backend's default), got ",
+             prefill_chunk);
   for (int il = 0; il < c.num_hidden_layers; ++il) {
     if (c.is_full_attention(il)) continue;
     conv_.push_back(be_.alloc(size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes()));
@@ -175,8 +182,8 @@ void Session::mixer_attention(const LayerWeights& L, int T, void* k_cache, void*
   AttnArgs a{T, pos_, kv_cap_, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim(),
              float(c.rope_theta), float(c.rms_norm_eps), device_pos ? pos_dev_ : nullptr};
   const QMatrix proj[3] = {L.q_proj, L.k_proj, L.v_proj};
-  void* const out[3] = {p0_, p1_, p2_};  // qg [T, NH, 2·HD], k [T, NKV·HD], v [T, NKV·HD]
-  be_.qmm_multi(proj, 3, a_, T, out);
+  void* const out[3] = {p0_, p1_, p2_};  // qg [T, NH, 2·HD], k [T, NKV·HD], v [T, NKV·HD] of RMSNorm(x)
+  be_.rms_norm_qmm(x_, L.input_norm, T, c.hidden_size, float(c.rms_norm_eps), proj, 3, a_, out, false);
   be_.attention(a, p0_, p1_, p2_, L.q_norm, L.k_norm, k_cache, v_cache, p3_);  // [T, NH·HD], gated
   be_.qmm(L.o_proj, p3_, T, d_, false);
 }
@@ -186,12 +193,13 @@ void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* r
   GdnArgs a{T, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
             c.linear_conv_kernel_dim, float(c.rms_norm_eps)};
   const QMatrix proj[4] = {L.in_proj_qkv, L.in_proj_z, L.in_proj_b, L.in_proj_a};
-  void* const out[4] = {p0_, p1_, p2_, p3_};  // X [T, conv_dim], z [T, NV·DV], b [T, NV], α [T, NV]
-  be_.qmm_multi(proj, 4, a_, T, out);
-  be_.gdn_conv(a, p0_, L.conv1d, conv_state, p4_);                          // C = silu(conv(X)) [T, conv_dim]
-  be_.gdn_scan(a, p4_, p2_, p3_, L.A_log, L.dt_bias, rec_state, p5_);       // y [T, NV, DV]
-  be_.gdn_norm(a, p5_, p1_, L.gdn_norm, p0_);                               // o [T, NV·DV]
-  be_.qmm(L.out_proj, p0_, T, d_, false);
+  void* const out[4] = {p0_, p1_, p2_, p3_};  // X [T, conv_dim], z [T, NV·DV], b [T, NV], α [T, NV] of RMSNorm(x)
+  be_.rms_norm_qmm(x_, L.input_norm, T, c.hidden_size, float(c.rms_norm_eps), proj, 4, a_, out, false);
+  // C = silu(conv(X)) [T, conv_dim] in p4_; y = delta-rule scan [T, NV, DV] in p5_; o = gated norm(y, z), which
+  // may overwrite C (never an input), in p4_
+  be_.gdn(a, GdnTensors{p0_, L.conv1d, conv_state, p2_, p3_, L.A_log, L.dt_bias, rec_state, p1_, L.gdn_norm, p4_, p5_,
+                        p4_});
+  be_.qmm(L.out_proj, p4_, T, d_, false);
 }
 
 void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, bool device_pos) {
@@ -204,7 +212,6 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
   if (tokens) be_.to_device(tok_, tokens, size_t(T) * sizeof(int32_t));
   if (!device_pos) pos_dev_valid_ = false;
   be_.embed(W.embed, static_cast<const int32_t*>(tok_), T, x_);
-  be_.rms_norm(x_, W.layers[0].input_norm, T, H, eps, a_);
   int attn_i = 0, gdn_i = 0;
   for (size_t il = 0; il < W.layers.size(); ++il) {
     const LayerWeights& L = W.layers[il];
@@ -215,12 +222,9 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
       mixer_gdn(L, T, conv_[gdn_i], rec_[gdn_i]);
       ++gdn_i;
     }
-    be_.add_rms_norm(x_, d_, L.post_norm, T, H, eps, a_);  // x += mixer; a = post-norm(x)
     MoeArgs m{T, H, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
               c.shared_expert_intermediate_size, c.norm_topk_prob};
-    be_.moe(m, L.moe, a_, d_);
-    const float* next_norm = il + 1 < W.layers.size() ? W.layers[il + 1].input_norm : W.final_norm;
-    be_.add_rms_norm(x_, d_, next_norm, T, H, eps, a_);  // x += moe; a = next pre-norm (or final norm)
+    be_.moe_residual(x_, d_, L.post_norm, eps, m, L.moe, a_, d_);  // x += mixer; x += MoE(post-norm(x))
   }
   pos_ += T;
   processed_ += T;
@@ -232,12 +236,12 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
     logits_ = be_.alloc(size_t(rows) * V * sizeof(float));
     logits_rows_ = rows;
   }
+  void* const out[1] = {logits_};
   if (mode == Logits::All) {
-    be_.qmm(W.lm_head, a_, T, logits_, true);
+    be_.rms_norm_qmm(x_, W.final_norm, T, H, eps, &W.lm_head, 1, a_, out, true);
     be_.to_host(logits, logits_, size_t(T) * V * sizeof(float));
-  } else {
-    const char* last = static_cast<const char*>(a_) + size_t(T - 1) * H * be_.act_bytes();
-    be_.qmm(W.lm_head, last, 1, logits_, true);
+  } else {  // the last token's row only
+    be_.rms_norm_qmm(x_ + size_t(T - 1) * H, W.final_norm, 1, H, eps, &W.lm_head, 1, a_, out, true);
     if (mode == Logits::Last) be_.to_host(logits, logits_, V * sizeof(float));
   }
 }

@@ -12,7 +12,9 @@ namespace lily {
 
 class Model {
  public:
-  Model(const Config& cfg, const TensorMap& tensors, const std::string& backend);
+  // opts: the ablation switches the backend runs with (core/optimisations.h).
+  Model(const Config& cfg, const TensorMap& tensors, const std::string& backend,
+        const Optimisations& opts = Optimisations());
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -43,7 +45,7 @@ struct Snapshot {
 class Session {
  public:
   // max_context: the most tokens this session may hold (≤ max_position_embeddings);
-  // prefill_chunk: tokens per forward call during prefill (bounds working memory).
+  // prefill_chunk: tokens per forward call during prefill (bounds working memory); 0: the backend's default.
   Session(const Model& model, int max_context, int prefill_chunk);
   ~Session();
   Session(const Session&) = delete;

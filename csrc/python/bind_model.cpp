@@ -76,7 +76,7 @@ const char* dtype_name(const nb::ndarray<nb::ro, nb::device::cpu>& a) {
 }
 
 PyModel* make_model(const nb::dict& config, const nb::dict& tensors, const nb::dict& sources,
-                    const std::string& backend) {
+                    const std::string& backend, const std::vector<std::string>& disable) {
   TensorMap map;
   for (auto [k, v] : tensors) {
     std::string name = nb::cast<std::string>(k);
@@ -95,10 +95,11 @@ PyModel* make_model(const nb::dict& config, const nb::dict& tensors, const nb::d
     map.emplace(std::move(name), std::move(t));
   }
   Config c = config_from_dict(config);
+  const Optimisations opts = Optimisations::with_disabled(disable);
   auto* pm = new PyModel();
   try {
     nb::gil_scoped_release release;
-    pm->model = std::make_unique<Model>(c, map, backend);
+    pm->model = std::make_unique<Model>(c, map, backend, opts);
   } catch (...) {
     delete pm;
     throw;
@@ -127,21 +128,37 @@ void init_model(nb::module_& m) {
   });
 
   m.def("backends", &compiled_backends, "Names of the backends compiled into this build.");
+  m.def("optimisations",
+        [] {
+          nb::list out;
+          for (const OptInfo& o : optimisation_table()) out.append(nb::make_tuple(o.name, o.backends, o.what));
+          return out;
+        },
+        "The ablation switches: (name, backends it changes, what it does) for each.");
   m.def("num_threads", &num_threads, "Threads the CPU backend uses (LILY_NUM_THREADS overrides).");
 
   nb::class_<PyModel>(m, "Model", "Weights of one qwen3_5_moe text model resident on a backend.")
       .def("__init__",
            [](PyModel* self, const nb::dict& config, const nb::dict& tensors, const nb::dict& sources,
-              const std::string& backend) {
-             PyModel* pm = make_model(config, tensors, sources, backend);
+              const std::string& backend, const std::vector<std::string>& disable) {
+             PyModel* pm = make_model(config, tensors, sources, backend, disable);
              new (self) PyModel(std::move(*pm));
              delete pm;
            },
            "config"_a, "tensors"_a, "sources"_a = nb::dict(), "backend"_a = "cpu",
+           "disable"_a = std::vector<std::string>(),
            "config: text config dict (architecture.md §1 names); tensors: canonical name → array (bf16 as uint16);\n"
-           "sources: canonical name → file, for error messages.")
+           "sources: canonical name → file, for error messages; disable: names of optimisations to turn off.")
       .def_prop_ro("config", [](const PyModel& m) { return config_to_dict(m.model->config()); })
       .def_prop_ro("backend", [](const PyModel& m) { return m.model->backend().name(); })
+      .def_prop_ro("device", [](const PyModel& m) { return m.model->backend().device(); },
+                   "The device the backend runs on (e.g. \"NVIDIA H200\").")
+      .def_prop_ro("disabled",
+                   [](const PyModel& m) { return m.model->backend().optimisations().disabled_names(); },
+                   "Comma-separated names of the optimisations turned off (\"\" when all are on).")
+      .def_prop_ro("default_prefill_chunk",
+                   [](const PyModel& m) { return m.model->backend().default_prefill_chunk(); },
+                   "Tokens per prefill call when a session sets none (chosen per backend from measurements).")
       .def_prop_ro("weight_bytes", [](const PyModel& m) { return m.model->weights().bytes; },
                    "Bytes of quantized weights bound.")
       .def_prop_ro("memory_in_use", [](const PyModel& m) { return m.model->backend().bytes_in_use(); },
@@ -154,8 +171,9 @@ void init_model(nb::module_& m) {
              return new Session(*m.model, max_context > 0 ? max_context : m.model->config().max_position_embeddings,
                                 prefill_chunk);
            },
-           "max_context"_a = 0, "prefill_chunk"_a = 512, nb::keep_alive<0, 1>(),
-           "A new empty session (max_context 0: the model's max_position_embeddings).");
+           "max_context"_a = 0, "prefill_chunk"_a = 0, nb::keep_alive<0, 1>(),
+           "A new empty session (max_context 0: the model's max_position_embeddings; prefill_chunk 0: the "
+           "backend's default).");
 
   nb::class_<Snapshot>(m, "Snapshot", "The complete state of a session at one position (host memory).")
       .def_prop_ro("position", [](const Snapshot& s) { return s.pos; })
@@ -190,6 +208,12 @@ void init_model(nb::module_& m) {
              return out;
            },
            "tokens"_a, "Feeds tokens (int32 [n], n ≥ 1) in chunks; returns the fp32 logits of the last one.")
+      .def("feed",
+           [](Session& s, const Tokens& tokens) {
+             nb::gil_scoped_release release;
+             s.prefill(tokens.data(), int(tokens.shape(0)), nullptr);
+           },
+           "tokens"_a, "Feeds tokens (int32 [n], n ≥ 1) in chunks and computes no logits (no lm_head, no copy).")
       .def("forward_all",
            [](Session& s, const Tokens& tokens) {
              auto out = new_array({tokens.shape(0), size_t(s.vocab_size())});

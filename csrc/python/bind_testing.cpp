@@ -10,6 +10,7 @@
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -33,10 +34,24 @@ namespace {
 
 using Array = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;
 
-Backend& backend(const std::string& name) {
+// One backend per (name, disabled optimisations): params["disable"] ("a,b") runs an op with those switches off.
+Backend& backend(const std::string& name, const nb::dict& params) {
   static std::map<std::string, std::unique_ptr<Backend>> cache;
-  auto& b = cache[name];
-  if (!b) b = make_backend(name);
+  std::vector<std::string> off;
+  if (params.contains("disable")) {
+    std::string list = nb::cast<std::string>(params["disable"]);
+    for (size_t at = 0; at <= list.size();) {
+      const size_t end = std::min(list.find(',', at), list.size());
+      off.push_back(list.substr(at, end - at));
+      at = end + 1;
+    }
+  }
+  const Optimisations opts = Optimisations::with_disabled(off);
+  auto& b = cache[name + "/" + opts.disabled_names()];
+  if (!b) {
+    b = make_backend(name);
+    b->set_optimisations(opts);
+  }
   return *b;
 }
 
@@ -71,6 +86,8 @@ class Runner {
     return upload(a.data(), a.nbytes());
   }
   void* raw_value(int32_t v) { return upload(&v, sizeof v); }
+  // Working memory of n bytes the op may use (not returned).
+  void* scratch(size_t n) { return alloc(n); }
   QMatrix q(const std::string& k, int E) {
     Array w = input(k + ".w"), s = input(k + ".scales");
     QMatrix m;
@@ -229,7 +246,39 @@ std::function<void()> prepare(Backend& be, Runner& r, const std::string& op) {
     void* out = r.out("out", size_t(g.T) * g.NV * g.DV, false);
     return [&be, g, y, z, w, out] { be.gdn_norm(g, y, z, w, out); };
   }
-  if (op == "moe") {
+  if (op == "gdn") {  // conv → scan → gated norm, as Backend::gdn (fused where the backend fuses it)
+    gdn_dims();
+    const size_t C = 2 * size_t(g.NK) * g.DK + size_t(g.NV) * g.DV, V = size_t(g.NV) * g.DV;
+    GdnTensors t;
+    t.x = r.act("x");
+    t.conv_w = r.f32("w");
+    t.conv_state = r.act("conv_state");
+    t.b = r.act("b");
+    t.alpha = r.act("alpha");
+    t.A_log = r.f32("A_log");
+    t.dt_bias = r.f32("dt_bias");
+    t.state = r.f32("state");
+    t.z = r.act("z");
+    t.norm_w = r.f32("norm_w");
+    t.conv_out = r.scratch(size_t(g.T) * C * be.act_bytes());
+    t.y = r.scratch(size_t(g.T) * V * be.act_bytes());
+    t.out = r.out("out", size_t(g.T) * V, false);
+    return [&be, g, t] { be.gdn(g, t); };
+  }
+  if (op == "rms_norm_qmm") {  // matrices W0.. W{n-1} reading rms_norm(x)·w
+    const int T = r.i("T"), H = r.i("H"), n = r.i("n");
+    const float eps = r.f("eps");
+    const bool y_f32 = r.flag("y_f32");
+    float* x = r.f32("x");
+    float* w = r.f32("w");
+    std::vector<QMatrix> Ws;
+    std::vector<void*> ys;
+    for (int i = 0; i < n; ++i) Ws.push_back(r.q(cat("W", i), 0));
+    for (int i = 0; i < n; ++i) ys.push_back(r.out(cat("y", i), size_t(T) * Ws[i].N, y_f32));
+    void* a = r.scratch(size_t(T) * H * be.act_bytes());
+    return [&be, x, w, T, H, eps, Ws, n, a, ys, y_f32] { be.rms_norm_qmm(x, w, T, H, eps, Ws.data(), n, a, ys.data(), y_f32); };
+  }
+  if (op == "moe" || op == "moe_residual") {
     MoeArgs a{r.i("T"), r.i("H"), r.i("E"), r.i("top_k"), r.i("I"), r.i("IS"), r.flag("norm_topk_prob")};
     MoeWeights w;
     w.router = r.q("router", 0);
@@ -240,6 +289,15 @@ std::function<void()> prepare(Backend& be, Runner& r, const std::string& op) {
     w.shared_up = r.q("shared_up", 0);
     w.shared_down = r.q("shared_down", 0);
     w.shared_expert_gate = r.q("shared_expert_gate", 0);
+    if (op == "moe_residual") {  // x += d; x += MoE(rms_norm(x)·w): x comes back updated
+      float* x = r.f32("x");
+      void* d = r.act("d");
+      float* nw = r.f32("w");
+      const float eps = r.f("eps");
+      void* m = r.scratch(size_t(a.T) * a.H * be.act_bytes());
+      void* out = r.scratch(size_t(a.T) * a.H * be.act_bytes());
+      return [&be, a, w, x, d, nw, eps, m, out] { be.moe_residual(x, d, nw, eps, a, w, m, out); };
+    }
     void* m = r.act("m");
     void* out = r.out("out", size_t(a.T) * a.H, false);
     return [&be, a, w, m, out] { be.moe(a, w, m, out); };
@@ -253,7 +311,7 @@ void init_testing(nb::module_& m) {
   nb::module_ t = m.def_submodule("testing", "Run and time single backend ops (op tests and op benchmarks).");
   t.def("run_op",
         [](const std::string& backend_name, const std::string& op, const nb::dict& params, const nb::dict& inputs) {
-          Backend& be = backend(backend_name);
+          Backend& be = backend(backend_name, params);
           Runner r(be, params, inputs);
           auto launch = prepare(be, r, op);
           {
@@ -271,7 +329,7 @@ void init_testing(nb::module_& m) {
   t.def("time_op",
         [](const std::string& backend_name, const std::string& op, const nb::dict& params, const nb::dict& inputs,
            int iters) {
-          Backend& be = backend(backend_name);
+          Backend& be = backend(backend_name, params);
           Runner r(be, params, inputs);
           auto launch = prepare(be, r, op);
           nb::gil_scoped_release release;

@@ -102,6 +102,21 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from pathlib import Path
+
+    from lily import bench
+
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else \
+        (bench.ABLATION_LENGTHS if args.ablate else bench.LENGTHS)
+    out = Path(args.out or f"lily-bench-{args.backend}{'-ablation' if args.ablate else ''}.json")
+    if args.ablate:
+        bench.ablate(args.model, args.backend, lengths, args.decode_tokens, out)
+    else:
+        bench.run(args.model, args.backend, lengths, args.decode_tokens, args.budget, out, greedy_too=args.greedy)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lily", description="Lily: an inference engine for Qwen3.6-35B-A3B")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--cache-dir-gb", type=float, default=32.0, help="disk budget of --cache-dir (default 32)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
+    b = sub.add_parser("bench", help="prefill and decode speed against context length (JSON + PNG plot)",
+                       description="Times lily.stream_generate with the model's defaults at each prompt length: "
+                       "prefill tok/s (prompt over time to first token) and steady decode tok/s.")
+    b.add_argument("--model", default="tiny", help="checkpoint directory, Hugging Face id, 'tiny' (default), or "
+                   "'random' (the full Qwen3.6-35B-A3B geometry with random 4-bit weights)")
+    b.add_argument("--backend", default="cpu", help="cpu (default) or a GPU backend compiled into this build")
+    b.add_argument("--lengths", default=None, help="comma-separated prompt lengths (default 256 … 131072)")
+    b.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per length (default 64)")
+    b.add_argument("--budget", type=float, default=600.0, help="start no new length after this many seconds")
+    b.add_argument("--greedy", action="store_true", help="also time greedy decoding at each length")
+    b.add_argument("--ablate", action="store_true", help="repeat 4K/32K/128K with each optimisation off alone")
+    b.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
+    b.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

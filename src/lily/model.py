@@ -1,6 +1,7 @@
 """Model and Session: the Python face of the compiled core (lily._core)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,6 @@ from lily import _core
 from lily.loader import Checkpoint, load_checkpoint
 from lily.tokenizer import Tokenizer
 
-DEFAULT_PREFILL_CHUNK = 512
 
 
 def as_tokens(ids) -> np.ndarray:
@@ -22,7 +22,7 @@ def as_tokens(ids) -> np.ndarray:
 class Model:
     """A loaded model: weights on a backend, its tokenizer, chat template and generation defaults."""
 
-    def __init__(self, ckpt: Checkpoint, backend: str = "cpu"):
+    def __init__(self, ckpt: Checkpoint, backend: str = "cpu", disable=None):
         self.path: Path | None = ckpt.model_dir
         self.config: dict = ckpt.config
         self.generation_config: dict = ckpt.generation_config
@@ -35,7 +35,7 @@ class Model:
             raise ValueError(f"config.json: rope_parameters.rope_type {rope_type!r} is not supported yet "
                              "(Lily implements the default partial RoPE; YaRN is opt-in and not needed below 262144 tokens)")
         core_config = {k: v for k, v in ckpt.config.items() if isinstance(v, (int, float, bool))}
-        self.core = _core.Model(core_config, ckpt.tensors, ckpt.files, backend)
+        self.core = _core.Model(core_config, ckpt.tensors, ckpt.files, backend, disabled_optimisations(disable))
         self.backend: str = self.core.backend
         self.vocab_size: int = ckpt.config["vocab_size"]
         # Ids the tokenizer does not know are vocabulary padding (architecture.md §7): never sampled.
@@ -46,16 +46,22 @@ class Model:
                    if i is not None]
         self.eos_token_ids: list[int] = [int(i) for i in eos]
 
-    def session(self, max_context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Session:
-        """A new multi-turn session that keeps its state between calls."""
+    @property
+    def disabled(self) -> list[str]:
+        """The optimisations turned off for this model (lily.optimisations() lists them all)."""
+        return [n for n in self.core.disabled.split(",") if n]
+
+    def session(self, max_context: int | None = None, prefill_chunk: int | None = None) -> Session:
+        """A new multi-turn session that keeps its state between calls. prefill_chunk (tokens per forward call
+        while prefilling; bounds working memory) defaults to the backend's own choice."""
         return Session(self, max_context, prefill_chunk)
 
-    def logits(self, token_ids, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
+    def logits(self, token_ids, prefill_chunk: int | None = None) -> np.ndarray:
         """fp32 logits of every position, [T, vocab], from an empty state (teacher forcing)."""
         tokens = as_tokens(token_ids)
         if tokens.size == 0:
             raise ValueError("logits() needs at least one token")
-        s = self.core.session(max_context=self.config["max_position_embeddings"], prefill_chunk=prefill_chunk)
+        s = self.core.session(max_context=self.config["max_position_embeddings"], prefill_chunk=prefill_chunk or 0)
         return s.forward_all(tokens)
 
     def encode_prompt(self, prompt, *, tools=None, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
@@ -84,9 +90,9 @@ class Session:
     the token stream instead of re-rendering the history: the reply's own tokens stay in the state (reasoning
     included, as mlx-lm's and llama.cpp's chat loops keep it) and only the new messages are prefilled."""
 
-    def __init__(self, model: Model, max_context: int | None, prefill_chunk: int):
+    def __init__(self, model: Model, max_context: int | None, prefill_chunk: int | None):
         self.model = model
-        self.core = model.core.session(max_context=max_context or 0, prefill_chunk=prefill_chunk)
+        self.core = model.core.session(max_context=max_context or 0, prefill_chunk=prefill_chunk or 0)
         self.tokens: list[int] = []  # tokens whose effect is in the state
         self.messages: list[dict] | None = None  # the conversation the state holds, reply last
         self.pending: int | None = None  # the reply's last token, sampled but not yet in the state
@@ -146,6 +152,13 @@ class Session:
         self.messages, self.pending = None, None
         return out
 
+    def feed(self, token_ids) -> None:
+        """Feeds tokens and computes no logits (no lm_head, nothing copied back): for prompt prefixes."""
+        tokens = as_tokens(token_ids)
+        self.core.feed(tokens)
+        self.tokens.extend(int(t) for t in tokens)
+        self.messages, self.pending = None, None
+
     def generate(self, prompt, **kwargs) -> str:
         from lily.generate import generate
 
@@ -157,11 +170,31 @@ class Session:
         return stream_generate(self.model, prompt, session=self, **kwargs)
 
 
-def load(path_or_id: str | Path, backend: str = "cpu", revision: str | None = None) -> Model:
+def optimisations() -> list[tuple[str, str, str]]:
+    """The ablation switches: (name, backends it changes, what it does). Each is on unless turned off with
+    `lily.load(..., disable=[name, ...])` or the environment variable LILY_DISABLE=name,name (read when a model
+    is created); off means the plain path the tests also run."""
+    return list(_core.optimisations())
+
+
+def disabled_optimisations(disable=None) -> list[str]:
+    """The switch names to turn off: `disable` (names, or one comma-separated string) plus LILY_DISABLE."""
+    names = [disable] if isinstance(disable, str) else list(disable or [])
+    names += os.environ.get("LILY_DISABLE", "").split(",")
+    out = []
+    for n in names:
+        for part in str(n).split(","):
+            if part.strip() and part.strip() not in out:
+                out.append(part.strip())
+    return out
+
+
+def load(path_or_id: str | Path, backend: str = "cpu", revision: str | None = None, disable=None) -> Model:
     """Loads a qwen3_5_moe MLX checkpoint from a directory or a Hugging Face hub id (downloaded and cached).
-    `"tiny"` is Lily's built-in random model in the real architecture (no files, works offline)."""
+    `"tiny"` is Lily's built-in random model in the real architecture (no files, works offline). `disable`
+    turns optimisations off by name (see lily.optimisations())."""
     if str(path_or_id) == "tiny":
         from lily.tiny import build_tiny
 
-        return Model(build_tiny(), backend)
-    return Model(load_checkpoint(path_or_id, revision=revision), backend)
+        return Model(build_tiny(), backend, disable)
+    return Model(load_checkpoint(path_or_id, revision=revision), backend, disable)

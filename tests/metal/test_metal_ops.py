@@ -29,7 +29,7 @@ def test_op_matches_cpu(core, monkeypatch, case, thread_order):
     before = core.testing.metal_kernels()
     got = core.testing.run_op("metal", case.op, params, inputs)
     DISPATCHED.update(name for name, n in core.testing.metal_kernels().items() if n > before[name])
-    check(case, ref, got)
+    check(case, ref, got, inputs)
     PASSED.add(case.id)
 
 

@@ -96,12 +96,17 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
         q, kp = qmatrix(rng, "W", 0, d["N"], d["K"], d.get("bits", 4), d.get("group", 64), std=d["K"] ** -0.5)
         x.update(q), p.update(kp)
         x["x"] = _act(rng, (d["T"], d["K"]))
-    elif op == "qmm_multi":
+    elif op in ("qmm_multi", "rms_norm_qmm"):
         for i, n in enumerate(d["Ns"]):
-            q, kp = qmatrix(rng, f"W{i}", 0, n, d["K"], std=d["K"] ** -0.5)
+            q, kp = qmatrix(rng, f"W{i}", 0, n, d["K"], d.get("bits", 4), std=d["K"] ** -0.5)
             x.update(q), p.update(kp)
         p["n"] = len(d["Ns"])
-        x["x"] = _act(rng, (d["T"], d["K"]))
+        if op == "qmm_multi":
+            x["x"] = _act(rng, (d["T"], d["K"]))
+        else:  # the fp32 residual stream and the norm weight; H = K
+            p.update(H=d["K"], eps=1e-6)
+            x["x"] = rng.normal(0, 2.0, size=(d["T"], d["K"])).astype(np.float32)
+            x["w"] = (1.0 + rng.normal(0, 0.1, size=d["K"])).astype(np.float32)
     elif op == "attention":
         T, NH, NKV, HD, pos0 = d["T"], d["NH"], d["NKV"], d["HD"], d["pos0"]
         p.update(cache_cap=pos0 + T + d.get("spare", 3), rotary_dim=d.get("rotary_dim", HD // 4),
@@ -127,10 +132,20 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
             x["A_log"] = np.log(rng.uniform(0.05, 1.0, NV)).astype(np.float32)
             x["dt_bias"] = rng.normal(-1.0, 0.5, NV).astype(np.float32)
             x["state"] = rng.normal(0, 0.1, size=(NV, DV, DK)).astype(np.float32)
-        else:
+        elif op == "gdn_norm":
             x["y"], x["z"] = _act(rng, (T, NV * DV)), _act(rng, (T, NV * DV))
             x["w"] = (1.0 + rng.normal(0, 0.1, DV)).astype(np.float32)
-    elif op == "moe":
+        else:  # gdn: conv → scan → gated norm
+            x["x"] = _act(rng, (T, C))
+            x["w"] = rng.normal(0, 0.5, size=(C, 4)).astype(np.float32)
+            x["conv_state"] = _act(rng, (3, C))
+            x["b"], x["alpha"] = _act(rng, (T, NV)), _act(rng, (T, NV))
+            x["A_log"] = np.log(rng.uniform(0.05, 1.0, NV)).astype(np.float32)
+            x["dt_bias"] = rng.normal(-1.0, 0.5, NV).astype(np.float32)
+            x["state"] = rng.normal(0, 0.1, size=(NV, DV, DK)).astype(np.float32)
+            x["z"] = _act(rng, (T, NV * DV))
+            x["norm_w"] = (1.0 + rng.normal(0, 0.1, DV)).astype(np.float32)
+    elif op in ("moe", "moe_residual"):
         T, H, E, I, IS = d["T"], d["H"], d["E"], d["I"], d["IS"]
         p["norm_topk_prob"] = True
         eb, gb = d.get("bits", 4), d.get("gate_bits", 8)  # experts (routed and shared); router and shared gate
@@ -148,17 +163,31 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
         else:
             router = dequantize(x["router.w"], x["router.scales"], x["router.biases"], gb, 64)
             m = _clear_routing(rng, m.astype(np.float64), router, d["top_k"]).astype(np.float32)
-        x["m"] = m
+        if op == "moe":
+            x["m"] = m
+        else:  # x + d whose RMSNorm (unit weight) is m: the routing margin of m carries over
+            p["eps"] = 1e-6
+            x["w"] = np.ones(H, np.float32)
+            x["d"] = _act(rng, (T, H))
+            scale = np.sqrt(np.mean(m.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-6)
+            x["x"] = (m.astype(np.float64) * scale * rng.uniform(0.5, 2.0, size=(T, 1)) - x["d"]).astype(np.float32)
     else:
         raise ValueError(f"unknown op {op!r}")
     return p, x
 
 
-def check(case: Case, ref: dict, got: dict) -> None:
+# Outputs updated in place whose change, not their value, is the op's result (the residual stream barely moves).
+INCREMENTS = {"moe_residual": ("x",)}
+
+
+def check(case: Case, ref: dict, got: dict, inputs: dict) -> None:
     """A backend's outputs against the CPU reference's: same names and shapes, finite, within case.tol."""
     assert ref.keys() == got.keys()
     for name, r in ref.items():
         g = got[name]
+        if name in INCREMENTS.get(case.op, ()):
+            before = np.asarray(inputs[name], dtype=np.float32).reshape(-1)
+            r, g = r - before, g - before
         assert g.shape == r.shape
         assert np.isfinite(g).all(), f"{case.id}/{name}: non-finite values at {np.flatnonzero(~np.isfinite(g))[:8]}"
         err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
@@ -172,16 +201,16 @@ def _traffic(c: Case) -> int:
     qb = lambda n, k, bits=4, g=64: n * k * bits // 8 + n * (k // g) * 4
     if c.op == "qmm":
         return qb(d["N"], d["K"], d.get("bits", 4), d.get("group", 64)) + 2 * d["T"] * (d["K"] + d["N"])
-    if c.op == "qmm_multi":
+    if c.op in ("qmm_multi", "rms_norm_qmm"):
         return sum(qb(n, d["K"]) + 2 * d["T"] * n for n in d["Ns"]) + 2 * d["T"] * d["K"]
-    if c.op == "moe":
+    if c.op in ("moe", "moe_residual"):
         k = d["top_k"]
         eb, gb = d.get("bits", 4), d.get("gate_bits", 8)
         routed = min(d["E"], d["T"] * k) * (3 * qb(d["I"], d["H"], eb))
         return qb(d["E"], d["H"], gb) + routed + 3 * qb(d["IS"], d["H"], eb) + 4 * d["T"] * d["H"]
     if c.op == "attention":
         return 2 * (d["pos0"] + d["T"]) * d["NKV"] * d["HD"] * 2 + d["T"] * d["NH"] * d["HD"] * 8
-    if c.op == "gdn_scan":
+    if c.op in ("gdn_scan", "gdn"):
         return 2 * d["NV"] * d["DV"] * d["DK"] * 4 + d["T"] * (2 * d["NK"] * d["DK"] + 2 * d["NV"] * d["DV"]) * 2
     if c.op in ("rms_norm", "add_rms_norm"):
         return d["T"] * d["H"] * 10
@@ -195,14 +224,14 @@ def _flops(c: Case) -> int:
     d = c.dims
     if c.op == "qmm":
         return 2 * d["T"] * d["N"] * d["K"]
-    if c.op == "qmm_multi":
+    if c.op in ("qmm_multi", "rms_norm_qmm"):
         return 2 * d["T"] * d["K"] * sum(d["Ns"])
-    if c.op == "moe":
+    if c.op in ("moe", "moe_residual"):
         return 2 * d["T"] * (d["E"] * d["H"] + 3 * d["top_k"] * d["I"] * d["H"] + 3 * d["IS"] * d["H"])
     if c.op == "attention":
         keys = d["T"] * d["pos0"] + d["T"] * (d["T"] + 1) // 2
         return 4 * d["NH"] * d["HD"] * keys
-    if c.op == "gdn_scan":
+    if c.op in ("gdn_scan", "gdn"):
         return 7 * d["T"] * d["NV"] * d["DV"] * d["DK"]
     return 0
 
@@ -229,6 +258,12 @@ CASES = [
     Case("qmm", dict(T=1, N=248320, K=2048, y_f32=True), tags=("model", "slow"), name="qmm-lm_head"),
     Case("qmm", dict(T=4, N=8192, K=2048), tags=("model",)),
     Case("qmm", dict(T=8, N=2048, K=4096), tags=("model",)),
+    # the streaming decode GEMV at its other lane counts (1 chunk per lane; 8-bit 2 and 4) and two row units
+    Case("qmm", dict(T=1, N=40, K=1024), tags=("edge",)),
+    Case("qmm", dict(T=1, N=70, K=1024, bits=8), tags=("edge",)),
+    Case("qmm_multi", dict(T=1, K=1024, Ns=(32, 8, 4)), tags=("edge",)),
+    Case("qmm_multi", dict(T=1, K=1024, Ns=(30, 8, 2)), tags=("edge",)),  # rows not in whole units: qmv_kernel
+    Case("rms_norm_qmm", dict(T=1, K=1024, Ns=(40, 8)), tags=("edge",)),
     # the GEMV at every token count it takes (1 to 8 rows), 4- and 8-bit
     *[Case("qmm", dict(T=t, N=72, K=256, bits=b), tags=("edge",)) for b in (4, 8) for t in range(2, 9)],
     # the GDN and attention input projections in one launch
@@ -236,6 +271,13 @@ CASES = [
     Case("qmm_multi", dict(T=1, K=2048, Ns=(8192, 512, 512)), tags=("model",)),
     Case("qmm_multi", dict(T=3, K=128, Ns=(200, 64, 4, 4)), tags=("edge",)),
     Case("qmm_multi", dict(T=40, K=256, Ns=(96, 64, 8)), tags=("edge",)),
+    # the norm applied by the projections (decode: in their prologue)
+    Case("rms_norm_qmm", dict(T=1, K=2048, Ns=(8192, 4096, 32, 32)), tags=("model",)),
+    Case("rms_norm_qmm", dict(T=1, K=2048, Ns=(8192, 512, 512)), tags=("model",)),
+    Case("rms_norm_qmm", dict(T=1, K=2048, Ns=(4096,), y_f32=True), tags=("model",)),
+    Case("rms_norm_qmm", dict(T=5, K=2048, Ns=(512, 32)), tags=("model",)),
+    Case("rms_norm_qmm", dict(T=1, K=192, Ns=(200, 64, 8), bits=8), tags=("edge",)),
+    Case("rms_norm_qmm", dict(T=40, K=128, Ns=(72,), y_f32=True), tags=("edge",)),
     # prefill GEMM
     Case("qmm", dict(T=512, N=8192, K=2048), tags=("model",)),
     Case("qmm", dict(T=512, N=2048, K=4096), tags=("model",)),
@@ -274,6 +316,17 @@ CASES = [
     Case("gdn_scan", dict(T=64, **_gdn_real), tags=("model",)),
     Case("gdn_scan", dict(T=9, NK=4, NV=8, DK=32, DV=64), tags=("edge",)),
     Case("gdn_scan", dict(T=5, NK=2, NV=2, DK=64, DV=32), tags=("edge",)),
+    # the chunked prefill form (64-token chunks, T ≥ 16): around a chunk's end, several chunks, a partial last chunk
+    *[Case("gdn_scan", dict(T=t, **_gdn_real), tags=("model",)) for t in (63, 65, 130)],
+    Case("gdn_scan", dict(T=40, NK=4, NV=8, DK=32, DV=64), tags=("edge",)),
+    Case("gdn_scan", dict(T=200, NK=2, NV=2, DK=64, DV=32), tags=("edge",)),
+    # the whole GDN core in one call (Backend::gdn: fused for one token where the backend fuses it)
+    Case("gdn", dict(T=1, **_gdn_real), tags=("model",)),
+    Case("gdn", dict(T=3, **_gdn_real), tags=("model",)),
+    Case("gdn", dict(T=1, NK=2, NV=4, DK=32, DV=32), tags=("edge",)),
+    Case("gdn", dict(T=1, NK=4, NV=8, DK=64, DV=64), tags=("edge",)),
+    Case("gdn", dict(T=1, NK=2, NV=2, DK=64, DV=40), tags=("edge",)),  # DV not a multiple of 32: not fused
+    Case("gdn", dict(T=70, NK=2, NV=4, DK=32, DV=64), tags=("edge",)),
     Case("gdn_norm", dict(T=1, **_gdn_real), tags=("model",)),
     Case("gdn_norm", dict(T=33, NK=2, NV=4, DK=32, DV=64), tags=("edge",)),
     # MoE: decode, prefill, odd geometries, and routing skewed onto the same experts (1, 2, 127 rows each)
@@ -283,6 +336,14 @@ CASES = [
     Case("moe", dict(T=127, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
     Case("moe", dict(T=300, H=256, E=12, top_k=3, I=128, IS=64), tags=("edge",)),
     *[Case("moe", dict(T=t, H=128, E=8, top_k=2, I=64, IS=64, skewed=True), tags=("edge",)) for t in (1, 2, 127)],
+    # the MoE half of a layer with its residual (decode: the norm in the router, the residual in the down kernel)
+    Case("moe_residual", dict(T=1, **_moe_real), tags=("model", "slow")),
+    Case("moe_residual", dict(T=1, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
+    Case("moe_residual", dict(T=3, H=64, E=8, top_k=2, I=64, IS=128), tags=("edge",)),
+    Case("moe_residual", dict(T=130, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
+    Case("moe_residual", dict(T=1, H=128, E=8, top_k=2, I=64, IS=64, bits=8, gate_bits=4), tags=("edge",)),
+    # 100 rows per expert: the 128-row expert tiles (switch moe_tiles_128)
+    Case("moe", dict(T=200, H=128, E=4, top_k=2, I=64, IS=64), tags=("edge",)),
     # 8-bit experts with a 4-bit router and shared gate: decode, and prefill with 10 and 40 rows per expert
     *[Case("moe", dict(T=t, H=128, E=8, top_k=2, I=64, IS=64, bits=8, gate_bits=4), tags=("edge",))
       for t in (3, 40, 160)],

@@ -13,6 +13,8 @@ from .cases import CASES, check, make
 GPU_BACKENDS = [b for b in lily.backends() if b != "cpu"]
 # LILY_OP_TAGS=edge runs only the cases with that tag (the small ones, e.g. under compute-sanitizer).
 SELECTED = [c for c in CASES if os.environ.get("LILY_OP_TAGS", "") in ("", *c.tags)]
+# Every case runs with every optimisation on (the default) and with all of them off (the plain path).
+ALL_OFF = ",".join(name for name, _, _ in _core.optimisations())
 
 
 def _usable(backend: str) -> bool:
@@ -32,10 +34,11 @@ def backend(request):
     return request.param
 
 
+@pytest.mark.parametrize("switches", ["on", "off"])
 @pytest.mark.parametrize("case", SELECTED, ids=lambda c: c.id)
-def test_op_matches_cpu(backend, case):
+def test_op_matches_cpu(backend, case, switches):
     rng = np.random.default_rng()
     params, inputs = make(case, rng)
     ref = _core.testing.run_op("cpu", case.op, params, inputs)
-    got = _core.testing.run_op(backend, case.op, params, inputs)
-    check(case, ref, got)
+    got = _core.testing.run_op(backend, case.op, {**params, "disable": ALL_OFF if switches == "off" else ""}, inputs)
+    check(case, ref, got, inputs)

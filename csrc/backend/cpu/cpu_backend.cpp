@@ -18,6 +18,7 @@ class CpuBackend final : public Backend {
   }
   std::string name() const override { return "cpu"; }
   size_t act_bytes() const override { return sizeof(float); }
+  int default_prefill_chunk() const override { return 512; }  // benchmarks/NOTES.md, CPU backend
 
   void* alloc(size_t bytes) override {
     void* p = std::malloc(std::max<size_t>(bytes, 1));

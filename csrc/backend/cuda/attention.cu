@@ -133,6 +133,8 @@ __global__ void __launch_bounds__(32 * kPrepWarps) attn_prep_kernel(const KArgs 
                                                                   const float* __restrict__ k_norm,
                                                                   bf16* __restrict__ k_cache,
                                                                   bf16* __restrict__ v_cache, bf16* __restrict__ q) {
+  pdl_trigger();
+  pdl_wait();
   constexpr int VPL = kMaxHD / 32;  // values per lane at most; unrolled so that all loads are in flight at once
   __shared__ float buf[kPrepWarps][kMaxHD];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
@@ -304,6 +306,8 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
     attn_mma_kernel(const KArgs a, const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                     const bf16* __restrict__ v_cache, const bf16* __restrict__ qg, bf16* __restrict__ out,
                     float* __restrict__ po, float* __restrict__ pml) {
+  pdl_trigger();
+  pdl_wait();
   constexpr int BM = 16 * RW, NK = kBC / KW, LD = HD + 8, NT = 32 * RW * KW, CH = HD / 8;
   static_assert(NK % 16 == 0, "each warp needs whole 16-key MMA steps");
   static_assert(KW == 1 || (RW == 1 && NT == 128), "the KW > 1 merge maps 8 threads to each of 16 rows");
@@ -470,6 +474,8 @@ __global__ void __launch_bounds__(kMaxHD / 4 * kCombineGroups) attn_combine_kern
                                                                                  const float* __restrict__ pml,
                                                                                  const bf16* __restrict__ qg,
                                                                                  bf16* __restrict__ out) {
+  pdl_trigger();
+  pdl_wait();
   __shared__ float red_m[kCombineGroups], red_l[kCombineGroups];
   __shared__ float4 red_o[kCombineGroups][kMaxHD / 4];
   const int t = blockIdx.x / a.NH, h = blockIdx.x % a.NH, kvh = h / a.G, r = t * a.G + h % a.G;
@@ -528,8 +534,8 @@ void launch_mma(Ctx& ctx, const KArgs& ka, int row_tiles, const bf16* q, const b
   static const cudaError_t attr = cudaFuncSetAttribute(attn_mma_kernel<HD, RW, KW, NSTAGE>,
                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   LILY_CUDA_CHECK(attr);
-  attn_mma_kernel<HD, RW, KW, NSTAGE><<<dim3(row_tiles, ka.NKV, ka.S), 32 * RW * KW, smem, ctx.stream>>>(
-      ka, q, k_cache, v_cache, qg, out, po, pml);
+  launch(ctx, attn_mma_kernel<HD, RW, KW, NSTAGE>, dim3(row_tiles, ka.NKV, ka.S), 32 * RW * KW, smem, ka, q,
+         k_cache, v_cache, qg, out, po, pml);
 }
 
 template <int HD>
@@ -560,7 +566,7 @@ void run_attention(Ctx& ctx, KArgs ka, const bf16* q, const bf16* k_cache, const
   check_launch("attn_mma");
   if (ka.S > 1) {
     const int groups = std::min(ka.S, kCombineGroups);
-    attn_combine_kernel<<<ka.T * ka.NH, HD / 4 * groups, 0, ctx.stream>>>(ka, po, pml, qg, out);
+    launch(ctx, attn_combine_kernel, ka.T * ka.NH, HD / 4 * groups, 0, ka, po, pml, qg, out);
     check_launch("attn_combine");
   }
 }
@@ -584,8 +590,8 @@ void attention(Ctx& ctx, const AttnArgs& a, const bf16* qg, const bf16* k, const
   RopeFreq rf{};
   for (int i = 0; i < a.rotary_dim / 2; ++i)
     rf.inv_freq[i] = std::pow(a.rope_theta, -2.0f * float(i) / float(a.rotary_dim));
-  attn_prep_kernel<<<unsigned(cdiv(items, kPrepWarps)), 32 * kPrepWarps, 0, ctx.stream>>>(
-      ka, rf, qg, k, v, q_norm, k_norm, k_cache, v_cache, q);
+  launch(ctx, attn_prep_kernel, unsigned(cdiv(items, kPrepWarps)), 32 * kPrepWarps, 0, ka, rf, qg, k, v, q_norm,
+         k_norm, k_cache, v_cache, q);
   check_launch("attn_prep");
 
   switch (a.HD) {

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -27,23 +28,56 @@ using bf16 = __nv_bfloat16;
 enum Slot : int {
   kSlotMoeLogits, kSlotMoeRoute, kSlotMoeSort, kSlotMoeHidden, kSlotMoeOut, kSlotMoeShared,
   kSlotAttnQ, kSlotAttnPartial,
-  kSlotGdn,
+  kSlotGdn, kSlotGdnChunk,
   kSlotSample,
   kNumSlots
 };
 
-// The launch context: one stream, the device's properties, and scratch buffers that grow on demand. Growth
-// happens only outside graph capture (the backend runs every shape once before capturing it).
+// Arrival counters (Ctx::counters), each op its own range.
+enum Counter : int { kCounterRouter = 0, kCounterGdn = 1 };
+
+// The launch context: one stream, the device's properties, the ablation switches, and scratch buffers that grow on
+// demand. Growth happens only outside graph capture (the backend runs every shape once before capturing it).
 struct Ctx {
   cudaStream_t stream = nullptr;
   int num_sms = 132;
   size_t smem_optin = 227 * 1024;  // max dynamic shared memory per block
+  Optimisations opts;
   void* scratch(int slot, size_t bytes);
+  // Device words that start at 0 and that kernels leave at 0 (the arrival counters of "last block" patterns).
+  uint32_t* counters(int n);
 
   void* buf[kNumSlots] = {};
   size_t cap[kNumSlots] = {};
+  uint32_t* counter_buf = nullptr;
+  int counter_cap = 0;
   bool capturing = false;
 };
+
+// ---- programmatic dependent launch (PDL, sm_90) ----------------------------------------------------------------
+// With the `pdl` switch on, every kernel is launched with programmatic stream serialization: it may start while its
+// predecessor in the stream is still running. Every kernel therefore follows one rule: before pdl_wait() it only
+// reads memory no kernel writes (weights), and it writes nothing. pdl_wait() returns once the predecessor grid has
+// completed and its writes are visible; without PDL both calls are no-ops. pdl_trigger() lets the successor launch
+// (once every block of this grid has called it or exited); kernels call it as early as possible.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// Launches kernel<<<grid, block, smem, ctx.stream>>>(args…), with the PDL attribute when the switch is on.
+template <typename... Params, typename... Args>
+void launch(const Ctx& ctx, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = ctx.stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = ctx.opts.on(Opt::pdl) ? 1 : 0;
+  LILY_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 
 // Largest T handled by the GEMV path (one pass over the weights, x in registers); above it, tensor-core GEMM.
 constexpr int kQmvMaxT = 8;

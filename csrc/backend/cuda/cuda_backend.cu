@@ -22,6 +22,19 @@ void* Ctx::scratch(int slot, size_t bytes) {
   return buf[slot];
 }
 
+uint32_t* Ctx::counters(int n) {
+  if (n > counter_cap) {
+    LILY_ASSERT(!capturing, "the counter buffer must grow to ", n, " words during graph capture");
+    LILY_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (counter_buf) LILY_CUDA_CHECK(cudaFree(counter_buf));
+    counter_buf = nullptr;
+    LILY_CUDA_CHECK(cudaMalloc(&counter_buf, size_t(n) * sizeof(uint32_t)));
+    LILY_CUDA_CHECK(cudaMemsetAsync(counter_buf, 0, size_t(n) * sizeof(uint32_t), stream));
+    counter_cap = n;
+  }
+  return counter_buf;
+}
+
 namespace {
 
 class CudaBackend final : public Backend {
@@ -48,11 +61,18 @@ class CudaBackend final : public Backend {
     for (void* p : mem_.live()) cudaFree(p);
     for (int s = 0; s < kNumSlots; ++s)
       if (ctx_.buf[s]) cudaFree(ctx_.buf[s]);
+    if (ctx_.counter_buf) cudaFree(ctx_.counter_buf);
     cudaStreamDestroy(ctx_.stream);
   }
 
   std::string name() const override { return "cuda"; }
+  std::string device() const override { return device_; }
   size_t act_bytes() const override { return 2; }
+  int default_prefill_chunk() const override { return 4096; }  // benchmarks/NOTES.md, default chunk
+  void set_optimisations(const Optimisations& o) override {
+    Backend::set_optimisations(o);
+    ctx_.opts = o;
+  }
 
   void* alloc(size_t bytes) override {
     void* p = nullptr;
@@ -113,6 +133,19 @@ class CudaBackend final : public Backend {
     else
       Backend::qmm_multi(W, n, x, T, y);
   }
+  void rms_norm_qmm(const float* x, const float* w, int T, int H, float eps, const QMatrix* W, int n, void* a,
+                    void* const* y, bool y_f32) override {
+    bool fused = T == 1 && opts_.on(Opt::norm_prologue) && W[0].K == H;
+    for (int i = 1; i < n; ++i) fused = fused && W[i].K == W[0].K && W[i].bits == W[0].bits && W[i].group == W[0].group;
+    if (fused)
+      cuda::qmv_norm(ctx_, W, n, x, w, eps, y, y_f32);
+    else
+      Backend::rms_norm_qmm(x, w, T, H, eps, W, n, a, y, y_f32);
+  }
+  void moe_residual(float* x, const void* d, const float* w, float eps, const MoeArgs& a, const MoeWeights& mw,
+                    void* m, void* out) override {
+    cuda::moe_residual(ctx_, x, cb(d), w, eps, a, mw, b(m), b(out));
+  }
   void attention(const AttnArgs& a, const void* qg, const void* k, const void* v, const float* q_norm,
                  const float* k_norm, void* k_cache, void* v_cache, void* out) override {
     cuda::attention(ctx_, a, cb(qg), cb(k), cb(v), q_norm, k_norm, b(k_cache), b(v_cache), b(out));
@@ -126,6 +159,9 @@ class CudaBackend final : public Backend {
   }
   void gdn_norm(const GdnArgs& a, const void* y, const void* z, const float* w, void* out) override {
     cuda::gdn_norm(ctx_, a, cb(y), cb(z), w, b(out));
+  }
+  void gdn(const GdnArgs& a, const GdnTensors& t) override {
+    if (!cuda::gdn_fused(ctx_, a, t)) Backend::gdn(a, t);
   }
   void moe(const MoeArgs& a, const MoeWeights& w, const void* m, void* out) override {
     cuda::moe(ctx_, a, w, cb(m), b(out));
@@ -181,7 +217,7 @@ class CudaBackend final : public Backend {
   static bf16* b(void* p) { return static_cast<bf16*>(p); }
   static const bf16* cb(const void* p) { return static_cast<const bf16*>(p); }
   size_t scratch_bytes() const {
-    size_t n = 0;
+    size_t n = size_t(ctx_.counter_cap) * sizeof(uint32_t);
     for (int s = 0; s < kNumSlots; ++s) n += ctx_.cap[s];
     return n;
   }

@@ -11,7 +11,7 @@
 //          norm:  o = y / sqrt(mean(y²) + eps) · w · silu(z)     per (token, value head) over DV values
 // Layout   x, out bf16 [T, C], C = 2·NK·DK + NV·DV = [q heads | k heads | v heads]; conv w fp32 [C, K];
 //          conv_state bf16 [K−1, C]; b, alpha bf16 [T, NV]; state fp32 [NV, DV, DK]; y, z, out bf16 [T, NV·DV].
-//          Scratch (kSlotGdn): q̂k̂ fp32 [NK, T, 2·DK] (q̂ then k̂) and gates float4 [NV, T] = (g, β, k̂·q̂, 0).
+//          Scratch (kSlotGdn): q̂k̂ fp32 [NK, T, 2·DK] (q̂ then k̂) and gates float4 [NV, T] = (g, β, k̂·q̂, ln g).
 // Traffic  real shapes (C = 8192, NK=16, NV=32, DK=DV=128), decode T=1:
 //            conv  x 16 KB + w 128 KB + state 48 KB read + 48 KB written + out 16 KB = 0.26 MB
 //            scan  state 2.1 MB read + 2.1 MB written + c 16 KB + y 8 KB = 4.2 MB → floor 0.9 µs @ 4.8 TB/s
@@ -74,6 +74,8 @@ __device__ __forceinline__ void cp_async_wait() {
 __global__ void __launch_bounds__(kConvThreads) gdn_conv_kernel(const bf16* __restrict__ x,
                                                                 const float* __restrict__ w, bf16* conv_state,
                                                                 bf16* __restrict__ out, int T, int C, int K) {
+  pdl_trigger();
+  pdl_wait();
   const int c = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
   if (c >= C) return;
   const int S = K - 1, lo = kConvMaxK - K;  // state rows; first live window slot
@@ -128,6 +130,8 @@ __global__ void __launch_bounds__(kPrepWarps * 32) gdn_scan_prep_kernel(const bf
                                                                         const bf16* alpha, const float* A_log,
                                                                         const float* dt_bias, float* qk,
                                                                         float4* gates, int T, int NK, int NV, int C) {
+  pdl_trigger();
+  pdl_wait();
   constexpr int kPer = DK / 32;  // values per lane
   const int lane = threadIdx.x & 31;
   const int item = blockIdx.x * kPrepWarps + (threadIdx.x >> 5);
@@ -161,8 +165,8 @@ __global__ void __launch_bounds__(kPrepWarps * 32) gdn_scan_prep_kernel(const bf
     const float beta = 1.0f / (1.0f + expf(-to_f(b[size_t(t) * NV + h])));  // β = σ(b)
     const float x = to_f(alpha[size_t(t) * NV + h]) + dt_bias[h];
     const float softplus = fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
-    const float g = expf(-expf(A_log[h]) * softplus);  // g = exp(−exp(A_log)·softplus(α + dt_bias))
-    gates[size_t(h) * T + t] = make_float4(g, beta, kq, 0.0f);
+    const float lng = -expf(A_log[h]) * softplus;  // ln g = −exp(A_log)·softplus(α + dt_bias), finite even if g = 0
+    gates[size_t(h) * T + t] = make_float4(expf(lng), beta, kq, lng);
   }
 }
 
@@ -174,6 +178,8 @@ template <int DK>
 __global__ void __launch_bounds__(kScanThreads) gdn_scan_kernel(const float* qk, const float4* gates, const bf16* c,
                                                                 float* state, bf16* y, int T, int NK, int NV,
                                                                 int DV, int C) {
+  pdl_trigger();
+  pdl_wait();
   constexpr int kM = DK / (4 * kScanLanes);  // float4 chunks per lane and row
   constexpr int kVPieces = kScanRows / 8;    // 16-byte pieces of bf16 v (or y) per token and block
   __shared__ __align__(16) float s_qk[2][kScanChunk][2 * DK];
@@ -284,6 +290,8 @@ __global__ void __launch_bounds__(kScanThreads) gdn_scan_kernel(const float* qk,
 // One warp per (token, value head) row of DV values: o = y / sqrt(mean(y²) + eps) · w · silu(z).
 __global__ void __launch_bounds__(kNormWarps * 32) gdn_norm_kernel(const bf16* y, const bf16* z, const float* w,
                                                                    int rows, int DV, float eps, bf16* out) {
+  pdl_trigger();
+  pdl_wait();
   constexpr int kChunks = kNormMaxDv / 128;
   const int lane = threadIdx.x & 31;
   const int r = blockIdx.x * kNormWarps + (threadIdx.x >> 5);
@@ -307,6 +315,600 @@ __global__ void __launch_bounds__(kNormWarps * 32) gdn_norm_kernel(const bf16* y
                                             v[m].z * rs * wv.z * siluf_(zv.z), v[m].w * rs * wv.w * siluf_(zv.w)));
     }
   }
+}
+
+// ---- chunked prefill (switch gdn_chunked) -------------------------------------------------------------------
+// The delta rule in chunks of kChunk = 64 tokens (architecture.md §5, "Prefill algorithms"; HF/FLA's chunkwise form):
+// per value head and chunk, with λ_t = Σ_{s≤t} ln g_s inside the chunk (λ_t − λ_i ≤ 0 for i ≤ t: no overflow),
+//   A[t, i] = β_t·e^{λ_t−λ_i}·(k̂_t·k̂_i) (i < t),  W1 = (I + A)⁻¹·diag(β)·V,  W2 = (I + A)⁻¹·diag(β·e^λ)·K̂,
+//   P[t, i] = e^{λ_t−λ_i}·(q̂_t·k̂_i) (i ≤ t)                                         (gdn_wy_kernel: parallel)
+// and then, chunk after chunk, with S the state [DV, DK] at the chunk's start (gdn_chunk_scan_kernel: sequential):
+//   U = W1 − W2·Sᵀ;  Y = diag(e^λ)·Q̂·Sᵀ + P·U;  S ← e^{λ_L}·S + Uᵀ·diag(e^{λ_L−λ})·K̂.
+// Tokens past T in the last chunk are padded with g = 1, β = 0, q̂ = k̂ = v = 0: they change nothing. fp32 on the
+// CUDA cores throughout (the reference's precision); the sequential dependency shrinks from T steps to T/64.
+// Scratch per call (after the prep kernel's q̂k̂ and gates): W1 [NV, nc·L, DV], W2 [NV, nc·L, DK], P [NV, nc, L, L],
+// λ [NV, nc·L] fp32 (nc = ⌈T/L⌉): 168 MB at T = 4096 for the real shapes.
+
+constexpr int kChunk = 64;         // tokens per chunk (L)
+constexpr int kWyThreads = 256;    // gdn_wy_kernel: one thread per column of [V | K̂] in the solve (DV + DK ≤ 256)
+constexpr int kCsRows = 32;        // gdn_chunk_scan_kernel: state rows per block
+constexpr int kCsThreads = 128;    // 4 warps
+constexpr int kChunkMinT = 16;     // below this many tokens the token-by-token scan runs
+
+struct ChunkArgs {
+  const float* qk;      // [NK, T, 2·DK] q̂ then k̂ (gdn_scan_prep_kernel)
+  const float4* gates;  // [NV, T] (g, β, ·, ·)
+  const bf16* c;        // [T, C] conv output (v at column 2·NK·DK + h·DV)
+  float* W1;            // [NV, nc·L, DV]
+  float* W2;            // [NV, nc·L, DK]
+  float* P;             // [NV, nc, L, L]
+  float* lam;           // [NV, nc·L]
+  float* state;         // [NV, DV, DK]
+  bf16* y;              // [T, NV·DV]
+  int T, NK, NV, DV, C, nc;
+};
+
+// Block = (chunk c, value head h), 256 threads. k̂, q̂ of the chunk in shared memory (rows padded by one float);
+// thread (ti, tj) computes the 4×4 tile t = 4·ti + a, i = 4·tj + b of K̂K̂ᵀ and Q̂K̂ᵀ; then thread j solves column j
+// of (I + A)·W = [diag(β)V | diag(β·e^λ)K̂] by forward substitution, its column of W in registers.
+template <int DK>
+__global__ void __launch_bounds__(kWyThreads) gdn_wy_kernel(const __grid_constant__ ChunkArgs a) {
+  constexpr int L = kChunk, LDK = DK + 1, LDA = L + 1;
+  extern __shared__ float wy_smem[];
+  float* sK = wy_smem;           // [L][DK + 1]
+  float* sQ = sK + L * LDK;      // [L][DK + 1]
+  float* sA = sQ + L * LDK;      // [L][L + 1]
+  float* sLam = sA + L * LDA;    // [L]
+  float* sBeta = sLam + L;       // [L]
+  uint16_t* sV = reinterpret_cast<uint16_t*>(sBeta + L);  // [L][DV] bf16: v of the chunk
+  pdl_trigger();
+  pdl_wait();
+  const int c = blockIdx.x, h = blockIdx.y, kh = h / (a.NV / a.NK), tid = threadIdx.x;
+  const int t0 = c * L, nt = min(L, a.T - t0);
+  for (int idx = tid; idx < L * DK; idx += kWyThreads) {
+    const int t = idx / DK, d = idx % DK;
+    const float* row = a.qk + (size_t(kh) * a.T + t0 + t) * (2 * DK);
+    sQ[t * LDK + d] = t < nt ? row[d] : 0.0f;
+    sK[t * LDK + d] = t < nt ? row[DK + d] : 0.0f;
+  }
+  for (int idx = tid; idx < L * a.DV; idx += kWyThreads) {  // v of value head h (coalesced rows of DV)
+    const int t = idx / a.DV, j = idx % a.DV;
+    sV[t * a.DV + j] = t < nt ? __bfloat16_as_ushort(a.c[size_t(t0 + t) * a.C + size_t(2 * a.NK) * DK +
+                                                                 size_t(h) * a.DV + j])
+                                    : uint16_t(0);
+  }
+  if (tid < 32) {  // λ_t = Σ_{s≤t} ln g_s: lane l owns tokens 2l, 2l + 1 (padding: ln g = 0, β = 0)
+    float lg[2], be[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int t = 2 * tid + u;
+      const float4 gt = t < nt ? a.gates[size_t(h) * a.T + t0 + t] : make_float4(1.0f, 0.0f, 0.0f, 0.0f);
+      lg[u] = gt.w;  // ln g
+      be[u] = gt.y;
+    }
+    float incl = lg[0] + lg[1];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (tid >= o) incl += v;
+    }
+    const float before = incl - (lg[0] + lg[1]);
+    sLam[2 * tid] = before + lg[0];
+    sLam[2 * tid + 1] = incl;
+    sBeta[2 * tid] = be[0];
+    sBeta[2 * tid + 1] = be[1];
+  }
+  __syncthreads();
+
+  {  // K̂K̂ᵀ → A (strictly lower, scaled), Q̂K̂ᵀ → P (lower with the diagonal, scaled)
+    const int ti = tid / 16, tj = tid % 16;
+    float kk[4][4] = {}, qk[4][4] = {};
+    for (int d = 0; d < DK; ++d) {
+      float kt[4], qt[4], ki[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        kt[u] = sK[(4 * ti + u) * LDK + d];
+        qt[u] = sQ[(4 * ti + u) * LDK + d];
+        ki[u] = sK[(4 * tj + u) * LDK + d];
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          kk[u][v] = fmaf(kt[u], ki[v], kk[u][v]);
+          qk[u][v] = fmaf(qt[u], ki[v], qk[u][v]);
+        }
+    }
+    float* P = a.P + (size_t(h) * a.nc + c) * L * L;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int t = 4 * ti + u;
+      float pr[4];
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int i = 4 * tj + v;
+        const float decay = i <= t ? expf(sLam[t] - sLam[i]) : 0.0f;       // e^{λ_t − λ_i}
+        sA[t * LDA + i] = i < t ? sBeta[t] * decay * kk[u][v] : 0.0f;      // A[t, i] = β_t·e^{λ_t−λ_i}·k̂_t·k̂_i
+        pr[v] = decay * qk[u][v];                                          // P[t, i] = e^{λ_t−λ_i}·q̂_t·k̂_i
+      }
+      *reinterpret_cast<float4*>(P + t * L + 4 * tj) = make_float4(pr[0], pr[1], pr[2], pr[3]);
+    }
+  }
+  if (tid < L) a.lam[(size_t(h) * a.nc + c) * L + tid] = sLam[tid];
+  __syncthreads();
+
+  // Column j of W = (I + A)⁻¹·B, B = [diag(β)V | diag(β·e^λ)K̂]: w_t = b_t − Σ_{i<t} A[t, i]·w_i.
+  const int j = tid;
+  if (j >= a.DV + DK) return;
+  const bool is_v = j < a.DV;
+  float w[L];
+#pragma unroll
+  for (int t = 0; t < L; ++t) {
+    const float bt = is_v ? sBeta[t] * bf16_bits_to_f(sV[t * a.DV + j])
+                          : sBeta[t] * expf(sLam[t]) * sK[t * LDK + (j - a.DV)];
+    float acc = bt;
+#pragma unroll
+    for (int i = 0; i < t; ++i) acc = fmaf(-sA[t * LDA + i], w[i], acc);
+    w[t] = acc;
+  }
+  if (is_v) {
+    float* dst = a.W1 + (size_t(h) * a.nc * L + size_t(c) * L) * a.DV + j;
+#pragma unroll
+    for (int t = 0; t < L; ++t) dst[size_t(t) * a.DV] = w[t];
+  } else {
+    float* dst = a.W2 + (size_t(h) * a.nc * L + size_t(c) * L) * DK + (j - a.DV);
+#pragma unroll
+    for (int t = 0; t < L; ++t) dst[size_t(t) * DK] = w[t];
+  }
+}
+
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// tf32 m16n8k8 (row.col, fp32 accumulate) and its operand conversion. Fragments (g = lane/4, t4 = lane%4):
+// A a0 (g, t4), a1 (g+8, t4), a2 (g, t4+4), a3 (g+8, t4+4); B b0 (t4, g), b1 (t4+4, g);
+// C c0 (g, 2·t4), c1 (g, 2·t4+1), c2 (g+8, 2·t4), c3 (g+8, 2·t4+1).
+__device__ __forceinline__ uint32_t tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Block = (value head h, state rows r0 = 32·block.y ..), 4 warps; the block's state rows S [32, DK] live in shared
+// memory (fp32) for the whole call. Chunk after chunk, three products on the tensor cores (tf32 operands, fp32
+// accumulators; the state itself is only ever rounded as an operand, never stored rounded):
+//   phase 1 (operands W2, Q̂, W1 tile): [W2; Q̂]·Sᵀ (M = 2L, N = 32, K = DK), warps 0–1 the W2 rows → U = W1 − W2·Sᵀ,
+//            warps 2–3 the Q̂ rows → X2 = Q̂·Sᵀ;
+//   phase 2 (operands P, K̂, λ): Y = diag(e^λ)·X2 + P·U (M = L, N = 32, K = L, the blocks above P's diagonal
+//            skipped), warp w rows 16w..; and S ← e^{λ_L}·S + Uᵀ·diag(e^{λ_L−λ})·K̂ (M = 32, N = DK, K = L), warp w
+//            columns DK/4·w ...
+// The two operand sets live in separate shared buffers, each refilled by cp.async while the other phase computes.
+// Shared rows are padded (row strides ≡ 4 or 8 mod 32 words) so that every fragment load is conflict-free.
+template <int DK>
+struct CsLayout {
+  static constexpr int L = kChunk, R = kCsRows;
+  static constexpr int LDW = DK + 4, LDW1 = R + 4, LDP = L + 4, LDK = DK + 8, LDS = DK + 4, LDU = R + 8;
+  static constexpr int oW2 = 0, oQ = oW2 + L * LDW, oW1 = oQ + L * LDW;           // phase-1 operands
+  static constexpr int oP = oW1 + L * LDW1, oK = oP + L * LDP, oLam = oK + L * LDK;  // phase-2 operands
+  static constexpr int oS = oLam + L, oU = oS + R * LDS, oX2 = oU + L * LDU, oDecay = oX2 + L * LDU;
+  static constexpr int oY = oDecay + L;  // bf16 [L][R] from here
+  static constexpr size_t bytes = size_t(oY) * 4 + size_t(L) * R * 2;
+};
+
+template <int DK>
+__global__ void __launch_bounds__(kCsThreads) gdn_chunk_scan_kernel(const __grid_constant__ ChunkArgs a) {
+  using Ly = CsLayout<DK>;
+  constexpr int L = kChunk, R = kCsRows;
+  extern __shared__ __align__(16) float cs_smem[];
+  float *sW2 = cs_smem + Ly::oW2, *sQ = cs_smem + Ly::oQ, *sW1 = cs_smem + Ly::oW1;
+  float *sP = cs_smem + Ly::oP, *sK = cs_smem + Ly::oK, *sLam = cs_smem + Ly::oLam;
+  float *sS = cs_smem + Ly::oS, *sU = cs_smem + Ly::oU, *sX2 = cs_smem + Ly::oX2, *sDecay = cs_smem + Ly::oDecay;
+  uint16_t* sY = reinterpret_cast<uint16_t*>(cs_smem + Ly::oY);
+
+  pdl_trigger();
+  pdl_wait();
+  const int h = blockIdx.x, r0 = blockIdx.y * R, kh = h / (a.NV / a.NK), tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+
+  auto load_phase1 = [&](int c) {
+    const int t0 = c * L;
+    const float* W2 = a.W2 + (size_t(h) * a.nc * L + size_t(t0)) * DK;
+    const float* W1 = a.W1 + (size_t(h) * a.nc * L + size_t(t0)) * a.DV + r0;
+    for (int i = tid; i < L * DK / 4; i += kCsThreads) {
+      const int t = i / (DK / 4), d = 4 * (i % (DK / 4));
+      const bool ok = t0 + t < a.T;
+      cp_async16_zfill(sW2 + t * Ly::LDW + d, W2 + size_t(t) * DK + d, true);
+      cp_async16_zfill(sQ + t * Ly::LDW + d, a.qk + (size_t(kh) * a.T + (ok ? t0 + t : 0)) * (2 * DK) + d, ok);
+    }
+    for (int i = tid; i < L * R / 4; i += kCsThreads) {
+      const int t = i / (R / 4), q = 4 * (i % (R / 4));
+      cp_async16_zfill(sW1 + t * Ly::LDW1 + q, W1 + size_t(t) * a.DV + q, true);
+    }
+  };
+  auto load_phase2 = [&](int c) {
+    const int t0 = c * L;
+    const float* P = a.P + (size_t(h) * a.nc + c) * L * L;
+    for (int i = tid; i < L * L / 4; i += kCsThreads) {
+      const int t = i / (L / 4), q = 4 * (i % (L / 4));
+      cp_async16_zfill(sP + t * Ly::LDP + q, P + t * L + q, true);
+    }
+    for (int i = tid; i < L * DK / 4; i += kCsThreads) {
+      const int t = i / (DK / 4), d = 4 * (i % (DK / 4));
+      const bool ok = t0 + t < a.T;
+      cp_async16_zfill(sK + t * Ly::LDK + d, a.qk + (size_t(kh) * a.T + (ok ? t0 + t : 0)) * (2 * DK) + DK + d, ok);
+    }
+    const float* lam = a.lam + (size_t(h) * a.nc + c) * L;
+    for (int i = tid; i < L / 4; i += kCsThreads) cp_async16_zfill(sLam + 4 * i, lam + 4 * i, true);
+  };
+
+  for (int i = tid; i < R * DK / 4; i += kCsThreads) {  // the block's state rows
+    const int r = i / (DK / 4), d = 4 * (i % (DK / 4));
+    *reinterpret_cast<float4*>(sS + r * Ly::LDS + d) =
+        *reinterpret_cast<const float4*>(a.state + (size_t(h) * a.DV + r0 + r) * DK + d);
+  }
+  load_phase1(0);
+  cp_async_commit();
+  load_phase2(0);
+  cp_async_commit();
+
+  for (int c = 0; c < a.nc; ++c) {
+    const int t0 = c * L, nt = min(L, a.T - t0);
+    cp_async_wait<1>();  // phase-1 operands of chunk c (the phase-2 ones may still be landing)
+    __syncthreads();     // … for every thread; and the state rows are in place
+
+    {  // phase 1: warp w computes rows 32·(w%2) .. + 31 of W2·Sᵀ (w < 2) or Q̂·Sᵀ (w ≥ 2), all 32 columns
+      const float* A = warp < 2 ? sW2 : sQ;
+      const int m0 = 32 * (warp & 1);
+      float acc[2][4][4] = {};
+#pragma unroll 4
+      for (int k0 = 0; k0 < DK; k0 += 8) {
+        uint32_t af[2][4], bf[4][2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float* ar = A + (m0 + 16 * i + g) * Ly::LDW + k0 + t4;
+          af[i][0] = tf32(ar[0]);
+          af[i][1] = tf32(ar[8 * Ly::LDW]);
+          af[i][2] = tf32(ar[4]);
+          af[i][3] = tf32(ar[8 * Ly::LDW + 4]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // B[k][n] = S[n][k]
+          const float* br = sS + (8 * j + g) * Ly::LDS + k0 + t4;
+          bf[j][0] = tf32(br[0]);
+          bf[j][1] = tf32(br[4]);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], af[i], bf[j][0], bf[j][1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int t = m0 + 16 * i + g + 8 * hh, n = 8 * j + 2 * t4;
+            float v0 = acc[i][j][2 * hh], v1 = acc[i][j][2 * hh + 1];
+            if (warp < 2) {  // U = W1 − W2·Sᵀ
+              v0 = sW1[t * Ly::LDW1 + n] - v0;
+              v1 = sW1[t * Ly::LDW1 + n + 1] - v1;
+              *reinterpret_cast<float2*>(sU + t * Ly::LDU + n) = make_float2(v0, v1);
+            } else {
+              *reinterpret_cast<float2*>(sX2 + t * Ly::LDU + n) = make_float2(v0, v1);
+            }
+          }
+    }
+    __syncthreads();  // U and X2 complete; the phase-1 buffer is free
+    if (c + 1 < a.nc) load_phase1(c + 1);
+    cp_async_commit();
+    cp_async_wait<1>();  // phase-2 operands of chunk c
+    __syncthreads();
+    if (tid < L) sDecay[tid] = expf(sLam[L - 1] - sLam[tid]);  // e^{λ_L − λ_t}
+    __syncthreads();
+
+    {  // Y = diag(e^λ)·X2 + P·U: warp w rows 16w .. 16w + 15, all 32 columns
+      const int m0 = 16 * warp;
+      float acc[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int t = m0 + g + 8 * hh, n = 8 * j + 2 * t4;
+          const float e = expf(sLam[t]);
+          acc[j][2 * hh] = e * sX2[t * Ly::LDU + n];
+          acc[j][2 * hh + 1] = e * sX2[t * Ly::LDU + n + 1];
+        }
+      for (int k0 = 0; k0 < m0 + 16; k0 += 8) {  // P[t][i] = 0 for i > t
+        uint32_t af[4];
+        const float* ar = sP + (m0 + g) * Ly::LDP + k0 + t4;
+        af[0] = tf32(ar[0]);
+        af[1] = tf32(ar[8 * Ly::LDP]);
+        af[2] = tf32(ar[4]);
+        af[3] = tf32(ar[8 * Ly::LDP + 4]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // B[k][n] = U[k][n]
+          const float* br = sU + (k0 + t4) * Ly::LDU + 8 * j + g;
+          mma_tf32(acc[j], af, tf32(br[0]), tf32(br[4 * Ly::LDU]));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int t = m0 + g + 8 * hh, n = 8 * j + 2 * t4;
+          const __nv_bfloat162 y2 = __floats2bfloat162_rn(acc[j][2 * hh], acc[j][2 * hh + 1]);
+          *reinterpret_cast<__nv_bfloat162*>(sY + t * R + n) = y2;
+        }
+    }
+    {  // S ← e^{λ_L}·S + Uᵀ·diag(e^{λ_L−λ})·K̂: warp w columns DK/4·w .. + DK/4 − 1, all 32 rows
+      constexpr int NJ = DK / 32;  // n8 tiles per warp
+      const int n0 = (DK / 4) * warp;
+      const float eL = expf(sLam[L - 1]);
+      float acc[2][NJ][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = 16 * i + g + 8 * hh, n = n0 + 8 * j + 2 * t4;
+            acc[i][j][2 * hh] = eL * sS[r * Ly::LDS + n];
+            acc[i][j][2 * hh + 1] = eL * sS[r * Ly::LDS + n + 1];
+          }
+#pragma unroll 2
+      for (int k0 = 0; k0 < L; k0 += 8) {
+        uint32_t af[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {  // A[m][k] = U[k][m]
+          const float* ar = sU + (k0 + t4) * Ly::LDU + 16 * i + g;
+          af[i][0] = tf32(ar[0]);
+          af[i][1] = tf32(ar[8]);
+          af[i][2] = tf32(ar[4 * Ly::LDU]);
+          af[i][3] = tf32(ar[4 * Ly::LDU + 8]);
+        }
+        const float d0 = sDecay[k0 + t4], d1 = sDecay[k0 + t4 + 4];
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {  // B[k][n] = e^{λ_L−λ_k}·K̂[k][n]
+          const float* br = sK + (k0 + t4) * Ly::LDK + n0 + 8 * j + g;
+          const uint32_t b0 = tf32(d0 * br[0]), b1 = tf32(d1 * br[4 * Ly::LDK]);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) mma_tf32(acc[i][j], af[i], b0, b1);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = 16 * i + g + 8 * hh, n = n0 + 8 * j + 2 * t4;
+            *reinterpret_cast<float2*>(sS + r * Ly::LDS + n) = make_float2(acc[i][j][2 * hh], acc[i][j][2 * hh + 1]);
+          }
+    }
+    __syncthreads();  // Y and the new S complete; the phase-2 buffer, U and X2 are free
+    for (int i = tid; i < nt * (R / 8); i += kCsThreads) {  // 16 bytes = 8 rows of one token
+      const int t = i / (R / 8), p = 8 * (i % (R / 8));
+      *reinterpret_cast<uint4*>(a.y + (size_t(t0 + t) * a.NV + h) * a.DV + r0 + p) =
+          *reinterpret_cast<const uint4*>(sY + t * R + p);
+    }
+    if (c + 1 < a.nc) load_phase2(c + 1);
+    cp_async_commit();
+  }
+  __syncthreads();
+  for (int i = tid; i < R * DK / 4; i += kCsThreads) {
+    const int r = i / (DK / 4), d = 4 * (i % (DK / 4));
+    *reinterpret_cast<float4*>(a.state + (size_t(h) * a.DV + r0 + r) * DK + d) =
+        *reinterpret_cast<const float4*>(sS + r * Ly::LDS + d);
+  }
+}
+
+constexpr size_t wy_smem_bytes(int DK, int DV) {
+  return (2 * kChunk * (DK + 1) + kChunk * (kChunk + 1) + 2 * kChunk) * 4 + size_t(kChunk) * DV * 2;
+}
+constexpr size_t cs_smem_bytes(int DK) {
+  return DK == 32 ? CsLayout<32>::bytes : DK == 64 ? CsLayout<64>::bytes : CsLayout<128>::bytes;
+}
+
+// ---- the fused decode step (switch gdn_decode_fused) -----------------------------------------------------------
+
+struct GdnDecodeArgs {
+  const bf16* x;         // [C] raw projections (q heads | k heads | v heads)
+  const float* conv_w;   // [C, K]
+  bf16* conv_state;      // [K−1, C]
+  const bf16* b;         // [NV]
+  const bf16* alpha;     // [NV]
+  const float* A_log;    // [NV]
+  const float* dt_bias;  // [NV]
+  float* state;          // [NV, DV, DK]
+  const bf16* z;         // [NV·DV]
+  const float* norm_w;   // [DV]
+  bf16* out;             // [NV·DV]
+  float* ys;             // scratch [NV, DV]: y of every head, fp32
+  float* ss;             // scratch [NV, DV / kScanRows]: Σ y² of each row block
+  uint32_t* arrived;     // [NK + NV] arrival counters, 0 between launches
+  int NK, NV, DV, C, K;
+  float eps;
+};
+
+// One token through the whole Gated DeltaNet core. Block = (value head h, state rows r0 = 32·block.y ..), the scan
+// kernel's thread mapping (8 lanes per row, 2 rows per thread, the rows in registers). Each block convolves the
+// q and k channels of its key head (every block of that key head does the same, from the same old conv state) and
+// its own 32 v channels, normalises q and k, computes the gates, updates its state rows and their y. Cross-block
+// work goes through arrival counters: the last block of a key head to have read the old conv state writes the new
+// one for the q and k channels (a block's own v channels it shifts at once: nobody else reads them), and the last
+// row block of a value head applies the gated RMSNorm to the head's 128 y values (their Σ y² summed in row-block
+// order). Before the PDL wait only the conv taps (weights) are read.
+template <int DK>
+__global__ void __launch_bounds__(kScanThreads) gdn_decode_kernel(const __grid_constant__ GdnDecodeArgs a) {
+  constexpr int kM = DK / (4 * kScanLanes);  // float4 chunks per lane and row
+  __shared__ __align__(16) float s_q[DK], s_k[DK];
+  __shared__ float s_v[kScanRows], s_y[kScanRows];
+  __shared__ float s_red[3][kScanThreads / 32];
+  __shared__ float s_gate[3];  // g, β, k̂·q̂
+  __shared__ bool s_last;
+  const int h = blockIdx.x, r0 = blockIdx.y * kScanRows, row_blocks = a.DV / kScanRows;
+  const int R = a.NV / a.NK, kh = h / R, S = a.K - 1;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, lr = tid / kScanLanes, sl = tid % kScanLanes;
+  const bool has_qk = tid < DK, has_v = tid < kScanRows;
+  const size_t cq = size_t(kh) * DK + tid, ck = size_t(a.NK) * DK + cq;
+  const size_t cv = size_t(2 * a.NK) * DK + size_t(h) * a.DV + r0 + tid;
+
+  float wq[kConvMaxK], wk[kConvMaxK], wv[kConvMaxK];  // the taps of this thread's channels
+  pdl_trigger();
+#pragma unroll
+  for (int j = 0; j < kConvMaxK; ++j) {
+    wq[j] = has_qk && j < a.K ? a.conv_w[cq * a.K + j] : 0.0f;
+    wk[j] = has_qk && j < a.K ? a.conv_w[ck * a.K + j] : 0.0f;
+    wv[j] = has_v && j < a.K ? a.conv_w[cv * a.K + j] : 0.0f;
+  }
+  pdl_wait();
+
+  float4 St[kScanRpt][kM];  // state rows r0 + lr + kScanRowStride·j, columns 4·sl + 32·m ..
+#pragma unroll
+  for (int j = 0; j < kScanRpt; ++j) {
+    const float4* src =
+        reinterpret_cast<const float4*>(a.state + (size_t(h) * a.DV + r0 + lr + kScanRowStride * j) * DK) + sl;
+#pragma unroll
+    for (int m = 0; m < kM; ++m) St[j][m] = src[kScanLanes * m];
+  }
+
+  // conv: U = [old state rows 0..S−1; x]; out = silu(Σ_j w[c, j]·U[j]); new state rows = U[1..S]
+  float uq[kConvMaxK], uk[kConvMaxK], uv[kConvMaxK];
+#pragma unroll
+  for (int j = 0; j < kConvMaxK; ++j) {
+    const bool live = j <= S;
+    const bf16* src = j < S ? a.conv_state + size_t(j) * a.C : a.x;
+    uq[j] = live && has_qk ? to_f(src[cq]) : 0.0f;
+    uk[j] = live && has_qk ? to_f(src[ck]) : 0.0f;
+    uv[j] = live && has_v ? to_f(src[cv]) : 0.0f;
+  }
+  float aq = 0.0f, ak = 0.0f, av = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kConvMaxK; ++j) {  // Σ_j w[c, j]·U[j, c]  (taps past K are 0)
+    aq = fmaf(wq[j], uq[j], aq);
+    ak = fmaf(wk[j], uk[j], ak);
+    av = fmaf(wv[j], uv[j], av);
+  }
+  const float q = has_qk ? siluf_(aq) : 0.0f, k = has_qk ? siluf_(ak) : 0.0f;
+  if (has_v) {
+    s_v[tid] = siluf_(av);
+#pragma unroll
+    for (int j = 0; j < kConvMaxK - 1; ++j)  // only this block reads these channels: shift them now
+      if (j < S) a.conv_state[size_t(j) * a.C + cv] = __float2bfloat16(uv[j + 1]);
+  }
+
+  // q̂ = q / sqrt(Σq² + 1e-6) / sqrt(DK), k̂ = k / sqrt(Σk² + 1e-6), and k̂·q̂ from Σ q·k
+  float r3[3] = {warp_sum(q * q), warp_sum(k * k), warp_sum(q * k)};
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) s_red[i][warp] = r3[i];
+  }
+  __syncthreads();  // also: every thread of this block has read the old conv state
+  float sq = 0.0f, sk = 0.0f, qk = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kScanThreads / 32; ++w) sq += s_red[0][w], sk += s_red[1][w], qk += s_red[2][w];
+  const float rq = (1.0f / sqrtf(float(DK))) / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+  if (has_qk) {
+    s_q[tid] = q * rq;
+    s_k[tid] = k * rk;
+  }
+  if (tid == 0) {
+    s_gate[1] = 1.0f / (1.0f + expf(-to_f(a.b[h])));  // β = σ(b)
+    const float xa = to_f(a.alpha[h]) + a.dt_bias[h];
+    const float softplus = fmaxf(xa, 0.0f) + log1pf(expf(-fabsf(xa)));
+    s_gate[0] = expf(-expf(a.A_log[h]) * softplus);  // g = exp(−exp(A_log)·softplus(α + dt_bias))
+    s_gate[2] = qk * rq * rk;                        // k̂·q̂
+    s_last = atomicAdd(&a.arrived[kh], 1u) == uint32_t(R * row_blocks) - 1;
+  }
+  __syncthreads();
+  if (s_last && has_qk) {  // every block of key head kh has read the old conv state: shift its q and k channels
+#pragma unroll
+    for (int j = 0; j < kConvMaxK - 1; ++j) {
+      if (j < S) {
+        a.conv_state[size_t(j) * a.C + cq] = __float2bfloat16(uq[j + 1]);
+        a.conv_state[size_t(j) * a.C + ck] = __float2bfloat16(uk[j + 1]);
+      }
+    }
+    if (tid == 0) a.arrived[kh] = 0;
+  }
+
+  // the delta rule for this block's rows (gdn_scan_kernel, one token)
+  const float g = s_gate[0], beta = s_gate[1], kq = s_gate[2];
+  float4 kv[kM], qv[kM];
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+    kv[m] = *reinterpret_cast<const float4*>(s_k + 4 * sl + 4 * kScanLanes * m);
+    qv[m] = *reinterpret_cast<const float4*>(s_q + 4 * sl + 4 * kScanLanes * m);
+  }
+  float akr[kScanRpt], aqr[kScanRpt];
+#pragma unroll
+  for (int j = 0; j < kScanRpt; ++j) {
+    akr[j] = aqr[j] = 0.0f;
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      const float4 sv = St[j][m];
+      akr[j] += sv.x * kv[m].x + sv.y * kv[m].y + sv.z * kv[m].z + sv.w * kv[m].w;  // S_i·k̂ (old S)
+      aqr[j] += sv.x * qv[m].x + sv.y * qv[m].y + sv.z * qv[m].z + sv.w * qv[m].w;  // S_i·q̂ (old S)
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < kScanLanes; o <<= 1) {
+#pragma unroll
+    for (int j = 0; j < kScanRpt; ++j) {
+      akr[j] += __shfl_xor_sync(0xffffffffu, akr[j], o);
+      aqr[j] += __shfl_xor_sync(0xffffffffu, aqr[j], o);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kScanRpt; ++j) {
+    const int rl = lr + kScanRowStride * j;
+    const float delta = beta * (s_v[rl] - g * akr[j]);  // δ = β·(v − (g·S)·k̂)
+    const float yv = g * aqr[j] + delta * kq;            // y = (g·S + δ⊗k̂)·q̂
+    float4* dst = reinterpret_cast<float4*>(a.state + (size_t(h) * a.DV + r0 + rl) * DK) + sl;
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {  // S ← g·S + δ ⊗ k̂
+      float4 sv = St[j][m];
+      sv.x = fmaf(sv.x, g, delta * kv[m].x);
+      sv.y = fmaf(sv.y, g, delta * kv[m].y);
+      sv.z = fmaf(sv.z, g, delta * kv[m].z);
+      sv.w = fmaf(sv.w, g, delta * kv[m].w);
+      dst[kScanLanes * m] = sv;
+    }
+    if (sl == 0) s_y[rl] = yv;
+  }
+  __syncthreads();
+
+  // gated RMSNorm over the head's DV values: this block's y and Σ y² out, the head's last block normalises
+  if (has_v) {  // warp 0
+    const float yv = s_y[tid];
+    a.ys[size_t(h) * a.DV + r0 + tid] = yv;
+    const float part = warp_sum(yv * yv);
+    if (tid == 0) a.ss[size_t(h) * row_blocks + blockIdx.y] = part;
+    __threadfence();
+  }
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(&a.arrived[a.NK + h], 1u) == uint32_t(row_blocks) - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  float ss = 0.0f;
+  for (int i = 0; i < row_blocks; ++i) ss += __ldcg(a.ss + size_t(h) * row_blocks + i);
+  const float rs = 1.0f / sqrtf(ss / float(a.DV) + a.eps);  // 1 / sqrt(mean(y²) + eps)
+  for (int i = tid; i < a.DV; i += kScanThreads) {
+    const size_t o = size_t(h) * a.DV + i;
+    a.out[o] = __float2bfloat16(__ldcg(a.ys + o) * rs * a.norm_w[i] * siluf_(to_f(a.z[o])));  // y·rs·w·silu(z)
+  }
+  if (tid == 0) a.arrived[a.NK + h] = 0;
 }
 
 // ---- launcher helpers ---------------------------------------------------------------------------------------------
@@ -349,7 +951,7 @@ void gdn_conv(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* w, bf16* c
              "8-byte aligned");
   if (a.T == 0) return;
   const dim3 grid(unsigned(cdiv(C / 4, kConvThreads)), unsigned(cdiv(a.T, kConvChunk)));
-  gdn_conv_kernel<<<grid, kConvThreads, 0, ctx.stream>>>(x, w, conv_state, out, a.T, C, a.conv_kernel);
+  launch(ctx, gdn_conv_kernel, grid, kConvThreads, 0, x, w, conv_state, out, a.T, C, a.conv_kernel);
   check_launch("gdn_conv");
 }
 
@@ -367,13 +969,55 @@ void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf
     char* scratch = static_cast<char*>(ctx.scratch(kSlotGdn, qk_bytes + size_t(a.NV) * a.T * sizeof(float4)));
     float* qk = reinterpret_cast<float*>(scratch);
     float4* gates = reinterpret_cast<float4*>(scratch + qk_bytes);
-    gdn_scan_prep_kernel<DK><<<unsigned(cdiv(int64_t(a.T) * a.NK, kPrepWarps)), kPrepWarps * 32, 0, ctx.stream>>>(
-        c, b, alpha, A_log, dt_bias, qk, gates, a.T, a.NK, a.NV, C);
+    launch(ctx, gdn_scan_prep_kernel<DK>, unsigned(cdiv(int64_t(a.T) * a.NK, kPrepWarps)), kPrepWarps * 32, 0, c, b,
+           alpha, A_log, dt_bias, qk, gates, a.T, a.NK, a.NV, C);
     check_launch("gdn_scan_prep");
+    if (a.T >= kChunkMinT && ctx.opts.on(Opt::gdn_chunked) && a.DV % kCsRows == 0 && a.DV + DK <= kWyThreads) {
+      ChunkArgs ca{};
+      ca.qk = qk, ca.gates = gates, ca.c = c, ca.state = state, ca.y = y;
+      ca.T = a.T, ca.NK = a.NK, ca.NV = a.NV, ca.DV = a.DV, ca.C = C, ca.nc = int(cdiv(a.T, kChunk));
+      const size_t rows = size_t(a.NV) * ca.nc * kChunk;
+      float* wy = static_cast<float*>(ctx.scratch(kSlotGdnChunk, rows * (a.DV + DK + kChunk + 1) * sizeof(float)));
+      ca.W1 = wy, ca.W2 = ca.W1 + rows * a.DV, ca.P = ca.W2 + rows * DK, ca.lam = ca.P + rows * kChunk;
+      static const cudaError_t wy_attr = cudaFuncSetAttribute(
+          gdn_wy_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(wy_smem_bytes(DK, kWyThreads - DK)));
+      static const cudaError_t cs_attr = cudaFuncSetAttribute(
+          gdn_chunk_scan_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(cs_smem_bytes(DK)));
+      LILY_CUDA_CHECK(wy_attr);
+      LILY_CUDA_CHECK(cs_attr);
+      launch(ctx, gdn_wy_kernel<DK>, dim3(ca.nc, a.NV), kWyThreads, wy_smem_bytes(DK, a.DV), ca);
+      check_launch("gdn_wy");
+      launch(ctx, gdn_chunk_scan_kernel<DK>, dim3(a.NV, a.DV / kCsRows), kCsThreads, cs_smem_bytes(DK), ca);
+      check_launch("gdn_chunk_scan");
+      return;
+    }
     const dim3 grid(unsigned(a.NV), unsigned(cdiv(a.DV, kScanRows)));
-    gdn_scan_kernel<DK><<<grid, kScanThreads, 0, ctx.stream>>>(qk, gates, c, state, y, a.T, a.NK, a.NV, a.DV, C);
+    launch(ctx, gdn_scan_kernel<DK>, grid, kScanThreads, 0, qk, gates, c, state, y, a.T, a.NK, a.NV, a.DV, C);
   });
   check_launch("gdn_scan");
+}
+
+bool gdn_fused(Ctx& ctx, const GdnArgs& a, const GdnTensors& t) {
+  if (a.T != 1 || !ctx.opts.on(Opt::gdn_decode_fused) || a.DV % kScanRows != 0 || a.conv_kernel < 1 ||
+      a.conv_kernel > kConvMaxK || a.DK > kScanThreads)
+    return false;
+  check_heads(a, "gdn");
+  GdnDecodeArgs d{};
+  d.x = static_cast<const bf16*>(t.x), d.conv_w = t.conv_w, d.conv_state = static_cast<bf16*>(t.conv_state);
+  d.b = static_cast<const bf16*>(t.b), d.alpha = static_cast<const bf16*>(t.alpha), d.A_log = t.A_log;
+  d.dt_bias = t.dt_bias, d.state = t.state, d.z = static_cast<const bf16*>(t.z), d.norm_w = t.norm_w;
+  d.out = static_cast<bf16*>(t.out);
+  const int row_blocks = a.DV / kScanRows;
+  float* scratch = static_cast<float*>(ctx.scratch(kSlotGdn, size_t(a.NV) * (a.DV + row_blocks) * sizeof(float)));
+  d.ys = scratch, d.ss = scratch + size_t(a.NV) * a.DV;
+  d.arrived = ctx.counters(kCounterGdn + a.NK + a.NV) + kCounterGdn;
+  d.NK = a.NK, d.NV = a.NV, d.DV = a.DV, d.C = conv_dim(a), d.K = a.conv_kernel, d.eps = a.eps;
+  LILY_CHECK(aligned(t.state, 16), "gdn: state must be 16-byte aligned");
+  dispatch_dk(a.DK, [&](auto dk) {
+    launch(ctx, gdn_decode_kernel<decltype(dk)::value>, dim3(a.NV, row_blocks), kScanThreads, 0, d);
+  });
+  check_launch("gdn_decode");
+  return true;
 }
 
 void gdn_norm(Ctx& ctx, const GdnArgs& a, const bf16* y, const bf16* z, const float* w, bf16* out) {
@@ -384,8 +1028,7 @@ void gdn_norm(Ctx& ctx, const GdnArgs& a, const bf16* y, const bf16* z, const fl
              "8-byte aligned and w 16-byte aligned");
   if (a.T == 0) return;
   const int rows = a.T * a.NV;
-  gdn_norm_kernel<<<unsigned(cdiv(rows, kNormWarps)), kNormWarps * 32, 0, ctx.stream>>>(y, z, w, rows, a.DV, a.eps,
-                                                                                         out);
+  launch(ctx, gdn_norm_kernel, unsigned(cdiv(rows, kNormWarps)), kNormWarps * 32, 0, y, z, w, rows, a.DV, a.eps, out);
   check_launch("gdn_norm");
 }
 

@@ -53,6 +53,7 @@ namespace {
 constexpr int kMoeDecodeMaxT = kQmvMaxT;  // T at most this: the fused decode kernels
 constexpr int kMaxExperts = 256;          // routing keeps E/32 ≤ 8 probabilities per lane
 constexpr int kRouteWarps = 4;            // tokens per routing block
+constexpr int kRouterWarps = 4;           // fused router: rows (experts) per block
 constexpr int kSortThreads = 1024;
 constexpr int kCombineThreads = 128;
 constexpr int kSwigluThreads = 256;
@@ -98,7 +99,9 @@ struct DecodeArgs {
   const float* wts;
   const float* gamma;
   float* h;  // [T, k+1, hs]
-  bf16* out;
+  bf16* out;              // [T, H], unless resid is set
+  float* resid;           // if set: resid += pending + MoE(m) (fp32 [T, H]) instead of writing out
+  const bf16* pending;    // [T, H] or null: the mixer output not yet added to resid
   int T, H, k, I, IS, hs;
   int lpr_gu, rb_gu, tiles_gu, rb_down;
 };
@@ -167,23 +170,15 @@ __device__ __forceinline__ uint4 load16(const uint32_t* p) { return __ldg(reinte
 
 // ---- kernels: routing (both paths) --------------------------------------------------------------------------------
 
-// One warp per token t: P = softmax(logits[t]), the top-k (ties → lower id), ŵ, and γ = σ(m[t]·w_seg).
-template <int SEG_BITS>
-__global__ void __launch_bounds__(kRouteWarps * 32)
-    moe_route_kernel(const float* logits, const bf16* m, QStack seg, int T, int E, int k, int H, bool norm_topk,
-                     Route r) {
+// Warp-wide: P = softmax(ℓ) over E ≤ kMaxExperts logits (lane l holds ℓ[l + 32·i] in p[i], -inf past E), the top-k
+// by P (ties → lower id), and ŵ = P / Σ_topk P (norm_topk) or P; lane j < k writes slot j of ids and wts.
+__device__ __forceinline__ void route_warp(float (&p)[kMaxExperts / 32], int E, int k, bool norm_topk, int32_t* ids,
+                                           float* wts) {
   constexpr int kPer = kMaxExperts / 32;
-  const int lane = threadIdx.x & 31, t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
-  if (t >= T) return;  // whole warps only; no block barrier below
-  const float* lr = logits + size_t(t) * E;
-  float p[kPer];
+  const int lane = threadIdx.x & 31;
   float mx = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int e = lane + 32 * i;
-    p[i] = e < E ? lr[e] : -INFINITY;
-    mx = fmaxf(mx, p[i]);
-  }
+  for (int i = 0; i < kPer; ++i) mx = fmaxf(mx, p[i]);
   mx = warp_max(mx);
   float sum = 0.0f;
 #pragma unroll
@@ -226,9 +221,26 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
       if (lane + 32 * i == id) p[i] = -1.0f;
   }
   if (lane < k) {
-    r.ids[size_t(t) * k + lane] = mine_id;
-    r.wts[size_t(t) * k + lane] = norm_topk ? mine / topsum : mine;  // ŵ = P / Σ_topk P
+    ids[lane] = mine_id;
+    wts[lane] = norm_topk ? mine / topsum : mine;  // ŵ = P / Σ_topk P
   }
+}
+
+// One warp per token t: the routing of route_warp from logits[t], and γ = σ(m[t]·w_seg).
+template <int SEG_BITS>
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    moe_route_kernel(const float* logits, const bf16* m, QStack seg, int T, int E, int k, int H, bool norm_topk,
+                     Route r) {
+  pdl_trigger();
+  pdl_wait();
+  constexpr int kPer = kMaxExperts / 32;
+  const int lane = threadIdx.x & 31, t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
+  if (t >= T) return;  // whole warps only; no block barrier below
+  const float* lr = logits + size_t(t) * E;
+  float p[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < E ? lr[lane + 32 * i] : -INFINITY;
+  route_warp(p, E, k, norm_topk, r.ids + size_t(t) * k, r.wts + size_t(t) * k);
 
   // γ = σ(m[t]·w_seg): lane owns packed words lane, lane + 32, … and the kPerWord values of m under each.
   constexpr int kPerWord = 32 / SEG_BITS;
@@ -256,12 +268,115 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   if (lane == 0) r.gamma[t] = 1.0f / (1.0f + expf(-dot));
 }
 
+// Everything the fused decode router reads (T = 1).
+struct RouterArgs {
+  QStack router, seg;  // [E, H] and [1, H], both BITS wide
+  const bf16* m;       // [H] (without the norm prologue)
+  // The norm prologue (switch norm_prologue): m = rms_norm(x + d)·nw computed by every block; block 0 writes it to
+  // m_out (bf16) for the expert kernels.
+  const float* x;      // [H] the residual stream
+  const bf16* d;       // [H] the mixer output
+  const float* nw;     // [H] post-attention norm weight
+  bf16* m_out;         // [H]
+  float eps;
+  float* logits;       // scratch [E + 1]: router logits, then the shared-expert gate's
+  uint32_t* arrived;   // one counter, 0 between launches
+  Route r;
+  int E, k, H;
+  bool norm_topk;
+};
+
+// Fused decode routing (T = 1), switch fused_router. Warp w of block b computes row e = b·kRouterWarps + w of
+// [W_router; w_seg] (E + 1 rows): its codes, scales and biases are loaded before the PDL wait, m after it; the dot
+// uses chunk_dot (the identity of moe_gate_up_kernel). The last block to arrive (an arrival counter, reset by that
+// block) reads the E + 1 logits back from L2 and does what moe_route_kernel does: route_warp, then γ = σ(ℓ_seg).
+// Same values as the unfused path (qmv router logits + moe_route_kernel) up to summation order.
+template <int BITS, bool NORM>
+__global__ void __launch_bounds__(kRouterWarps * 32) moe_router_kernel(const __grid_constant__ RouterArgs a) {
+  constexpr int CODES = 128 / BITS, CPL = kMaxHidden / CODES / 32;  // codes per 16 B; chunks per lane, at most
+  __shared__ bool last;
+  __shared__ __align__(16) float s_m[NORM ? kMaxHidden : 1];  // m = rms_norm(x + d)·nw (norm prologue)
+  const int lane = threadIdx.x & 31, e = blockIdx.x * kRouterWarps + (threadIdx.x >> 5);
+  const bool live = e <= a.E;
+  const QStack& Q = e < a.E ? a.router : a.seg;
+  const size_t row = e < a.E ? size_t(e) : 0;
+  const int chunks = a.H / CODES, wpr = a.H * BITS / 32, gpr = a.H / Q.group;
+  uint4 q[CPL];
+  uint16_t sv[CPL], bv[CPL];
+  pdl_trigger();
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = min(lane + 32 * i, chunks - 1);
+    if (live) {
+      q[i] = load16(Q.w + row * wpr + c * 4);
+      sv[i] = Q.s[row * gpr + c * CODES / Q.group];
+      bv[i] = Q.b[row * gpr + c * CODES / Q.group];
+    }
+  }
+  pdl_wait();  // m (or x and d) come from the previous kernels
+  if constexpr (NORM) {  // m = (x + d) / sqrt(mean((x + d)²) + eps) · nw, every block for itself
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < a.H; i += blockDim.x) {
+      const float v = a.x[i] + to_f(a.d[i]);
+      s_m[i] = v;
+      ss += v * v;
+    }
+    const float rs = 1.0f / sqrtf(block_sum(ss) / float(a.H) + a.eps);
+    for (int i = threadIdx.x; i < a.H; i += blockDim.x) {
+      s_m[i] *= rs * a.nw[i];
+      if (blockIdx.x == 0) a.m_out[i] = __float2bfloat16(s_m[i]);
+    }
+    __syncthreads();
+  }
+  if (live) {
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = lane + 32 * i;
+      if (c < chunks) {
+        float x[CODES], xs = 0.0f;
+        if constexpr (NORM) {
+#pragma unroll
+          for (int v = 0; v < CODES; ++v) x[v] = s_m[c * CODES + v];
+        } else {
+#pragma unroll
+          for (int v = 0; v < CODES / 8; ++v)
+            bf16x8_to_f(*reinterpret_cast<const uint4*>(a.m + c * CODES + 8 * v), &x[8 * v]);
+        }
+#pragma unroll
+        for (int j = 0; j < CODES; ++j) xs += x[j];
+        dot += chunk_dot<BITS>(q[i], x, xs, bf16_bits_to_f(sv[i]), bf16_bits_to_f(bv[i]));
+      }
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) {
+      a.logits[e] = dot;  // ℓ_e (e < E) or the shared-expert gate's logit (e = E)
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(a.arrived, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last || threadIdx.x >= 32) return;
+  __threadfence();
+  float p[kMaxExperts / 32];
+#pragma unroll
+  for (int i = 0; i < kMaxExperts / 32; ++i) p[i] = lane + 32 * i < a.E ? __ldcg(a.logits + lane + 32 * i) : -INFINITY;
+  route_warp(p, a.E, a.k, a.norm_topk, a.r.ids, a.r.wts);
+  if (lane == 0) {
+    a.r.gamma[0] = 1.0f / (1.0f + expf(-__ldcg(a.logits + a.E)));  // γ = σ(m·w_seg)
+    *a.arrived = 0;  // for the next launch
+  }
+}
+
 // ---- kernels: prefill ---------------------------------------------------------------------------------------------
 
 // Block e: offsets[e] = #pairs routed to experts < e (offsets[E] = T·k from the last block), then its own pairs
 // p = t·k + j in increasing p: rows[offsets[e] + rank] = t, pos[p] = offsets[e] + rank. Deterministic, no atomics.
 __global__ void __launch_bounds__(kSortThreads)
     moe_sort_kernel(const int32_t* ids, int P, int k, int E, int32_t* offsets, int32_t* rows, int32_t* pos) {
+  pdl_trigger();
+  pdl_wait();
   __shared__ int warp_n[kSortThreads / 32];
   const int e = blockIdx.x, tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
   int below = 0, here = 0;
@@ -299,16 +414,68 @@ __global__ void __launch_bounds__(kSortThreads)
   }
 }
 
+// Switch moe_sort_scan: the same offsets, rows and pos from one block: a histogram of the expert ids in shared memory,
+// an exclusive scan (→ offsets), then each pair p = t·k + j takes the next free row of its expert through a
+// shared-memory cursor: rows[at] = t, pos[p] = at. The order of an expert's rows then varies from run to run; every
+// row is computed on its own (moe_gemm), so no output does.
+__global__ void __launch_bounds__(kSortThreads)
+    moe_sort_scan_kernel(const int32_t* ids, int P, int k, int E, int32_t* offsets, int32_t* rows, int32_t* pos) {
+  pdl_trigger();
+  pdl_wait();
+  constexpr int kPer = kMaxExperts / 32;
+  __shared__ int count[kMaxExperts];
+  __shared__ int cursor[kMaxExperts];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&count[ids[p]], 1);
+  __syncthreads();
+  if (threadIdx.x < 32) {  // exclusive scan: lane l owns experts kPer·l .. kPer·l + kPer − 1
+    const int lane = threadIdx.x;
+    int v[kPer], own = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = lane * kPer + i;
+      v[i] = e < E ? count[e] : 0;
+      own += v[i];
+    }
+    int incl = own;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += u;
+    }
+    int run = incl - own;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = lane * kPer + i;
+      if (e < E) cursor[e] = offsets[e] = run;
+      run += v[i];
+    }
+    if (lane == 31) offsets[E] = incl;
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    const int at = atomicAdd(&cursor[ids[p]], 1);
+    rows[at] = p / k;
+    pos[p] = at;
+  }
+}
+
 // h = silu(g) ⊙ u for the shared expert (prefill): g, u f32, h bf16, n values.
 __global__ void __launch_bounds__(kSwigluThreads)
     moe_swiglu_kernel(const float* g, const float* u, size_t n, bf16* h) {
+  pdl_trigger();
+  pdl_wait();
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     h[i] = __float2bfloat16(siluf_(g[i]) * u[i]);
 }
 
 // out[t, n] = Σ_j ŵ[t, j]·yd[pos[t, j], n] + γ_t·s[t, n]; thread = 8 consecutive n of token blockIdx.y.
 __global__ void __launch_bounds__(kCombineThreads)
-    moe_combine_kernel(const bf16* yd, const bf16* s, const int32_t* pos, Route r, int H, int k, bf16* out) {
+    moe_combine_kernel(const bf16* yd, const bf16* s, const int32_t* pos, Route r, int H, int k, bf16* out,
+                       float* resid) {
+  pdl_trigger();
+  pdl_wait();
   const int t = blockIdx.y, n = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
   if (n >= H) return;
   float acc[8] = {}, v[8];
@@ -321,11 +488,19 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   const float g = r.gamma[t];
   bf16x8_to_f(*reinterpret_cast<const uint4*>(s + size_t(t) * H + n), v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = fmaf(g, v[i], acc[i]);  // + γ·s
+  if (resid) {  // x ← x + MoE(m), fp32
+    float4* x4 = reinterpret_cast<float4*>(resid + size_t(t) * H + n);
+    const float4 a0 = x4[0], a1 = x4[1];
+    x4[0] = make_float4(a0.x + acc[0], a0.y + acc[1], a0.z + acc[2], a0.w + acc[3]);
+    x4[1] = make_float4(a1.x + acc[4], a1.y + acc[5], a1.z + acc[6], a1.w + acc[7]);
+    return;
+  }
   uint32_t o[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const __nv_bfloat162 pr =
-        __floats2bfloat162_rn(fmaf(g, v[2 * i], acc[2 * i]), fmaf(g, v[2 * i + 1], acc[2 * i + 1]));  // + γ·s
+    const __nv_bfloat162 pr = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
     o[i] = *reinterpret_cast<const uint32_t*>(&pr);
   }
   *reinterpret_cast<uint4*>(out + size_t(t) * H + n) = make_uint4(o[0], o[1], o[2], o[3]);
@@ -342,10 +517,13 @@ __global__ void __launch_bounds__(kCombineThreads)
 template <int BITS>
 __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __grid_constant__ DecodeArgs a) {
   constexpr int CODES = 128 / BITS, CPL = kMaxHidden / CODES / 32;  // codes per 16 B; chunks per lane, at most
-  const int t = blockIdx.y, j = blockIdx.x / a.tiles_gu, tile = blockIdx.x % a.tiles_gu;
+  // Slot order: the shared expert's blocks first (their weights are known before the routing is), then slots 0..k-1.
+  const int t = blockIdx.y, js = blockIdx.x / a.tiles_gu, j = js == 0 ? a.k : js - 1, tile = blockIdx.x % a.tiles_gu;
   const bool shared = j == a.k;
   const int N = shared ? a.IS : a.I, n_block = tile * a.rb_gu;
+  pdl_trigger();
   if (n_block >= N) return;  // whole block; no barrier in this kernel
+  if (!shared) pdl_wait();  // the routing comes from the previous kernel; the shared expert's codes need none
   const size_t e = shared ? 0 : size_t(a.ids[t * a.k + j]);
   const QStack G = shared ? a.sgate : a.gate, U = shared ? a.sup : a.up;
   const int wpr = a.H * BITS / 32, gpr_g = a.H / G.group, gpr_u = a.H / U.group, chunks = a.H / CODES;
@@ -356,14 +534,7 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, lpr = a.lpr_gu, rpw = 32 / lpr;
   const int sub = lane & (lpr - 1), rsub = lane / lpr;
-  // Issue every load before the first use: m's chunks (raw bf16), then the codes, scales and biases.
-  uint4 xr[CPL][CODES / 8];
-  const bf16* mr = a.m + size_t(t) * a.H;
-#pragma unroll
-  for (int i = 0; i < CPL; ++i)
-#pragma unroll
-    for (int v = 0; v < CODES / 8; ++v)
-      xr[i][v] = *reinterpret_cast<const uint4*>(mr + min(sub + lpr * i, chunks - 1) * CODES + 8 * v);
+  // Issue every load before the first use: the codes, scales and biases, then m's chunks (raw bf16).
   const int n_warp = n_block + warp * kGuSteps<BITS> * rpw + rsub;
   uint4 qg[kGuSteps<BITS>][CPL], qu[kGuSteps<BITS>][CPL];
   uint16_t sg[kGuSteps<BITS>][CPL], bg[kGuSteps<BITS>][CPL], su[kGuSteps<BITS>][CPL], bu[kGuSteps<BITS>][CPL];
@@ -382,6 +553,14 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
       bu[st][i] = ub[n * gpr_u + ku];
     }
   }
+  if (shared) pdl_wait();  // m comes from the previous kernel
+  uint4 xr[CPL][CODES / 8];
+  const bf16* mr = a.m + size_t(t) * a.H;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i)
+#pragma unroll
+    for (int v = 0; v < CODES / 8; ++v)
+      xr[i][v] = *reinterpret_cast<const uint4*>(mr + min(sub + lpr * i, chunks - 1) * CODES + 8 * v);
   float x[CPL][CODES], xs[CPL];
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
@@ -421,8 +600,9 @@ __global__ void __launch_bounds__(kDownMaxWarps * 32) moe_down_kernel(const __gr
   const bool shared = j == a.k;
   const int K = shared ? a.IS : a.I;
   const QStack D = shared ? a.sdown : a.down;
+  pdl_trigger();
+  if (!shared) pdl_wait();  // the routing comes from an earlier kernel; the shared expert's codes need none
   const size_t e = shared ? 0 : size_t(a.ids[t * a.k + j]);
-  const float wj = shared ? a.gamma[t] : a.wts[t * a.k + j];
   const int chunks = K / CODES, wpr = K * BITS / 32, gpr = K / D.group;
   int lpr = 1;
   while (lpr < chunks) lpr <<= 1;  // chunks ≤ 32
@@ -431,7 +611,22 @@ __global__ void __launch_bounds__(kDownMaxWarps * 32) moe_down_kernel(const __gr
   const int kg = cc * CODES / D.group;
   const uint16_t *ds = D.s + e * a.H * gpr + kg, *db = D.b + e * a.H * gpr + kg;
 
-  // x: chunk c of h[t, j] (0 past the row's end), loaded before the codes; xs = Σ x computed after them.
+  uint4 q[kDownSteps];
+  uint16_t s[kDownSteps], b[kDownSteps];
+  auto load_rows = [&](int r0) {  // the codes of rows n0 + r0 + st·rpw + rsub
+#pragma unroll
+    for (int st = 0; st < kDownSteps; ++st) {
+      const size_t n = size_t(min(n0 + r0 + st * rpw + rsub, a.H - 1));
+      q[st] = load16(w + n * wpr);
+      s[st] = ds[n * gpr];
+      b[st] = db[n * gpr];
+    }
+  };
+  load_rows(0);
+  if (shared) pdl_wait();  // h and γ come from earlier kernels
+
+  // x: chunk c of h[t, j] (0 past the row's end); xs = Σ x computed after the codes are in flight.
+  const float wj = shared ? a.gamma[t] : a.wts[t * a.k + j];
   float x[CODES];
   const float* hr = a.h + (size_t(t) * (a.k + 1) + j) * a.hs + cc * CODES;
 #pragma unroll
@@ -444,15 +639,7 @@ __global__ void __launch_bounds__(kDownMaxWarps * 32) moe_down_kernel(const __gr
   }
 
   for (int r0 = 0; r0 < rb; r0 += kDownSteps * rpw) {  // rb is a multiple of kDownSteps·rpw
-    uint4 q[kDownSteps];
-    uint16_t s[kDownSteps], b[kDownSteps];
-#pragma unroll
-    for (int st = 0; st < kDownSteps; ++st) {
-      const size_t n = size_t(min(n0 + r0 + st * rpw + rsub, a.H - 1));
-      q[st] = load16(w + n * wpr);
-      s[st] = ds[n * gpr];
-      b[st] = db[n * gpr];
-    }
+    if (r0) load_rows(r0);
     float xs = 0.0f;
 #pragma unroll
     for (int i = 0; i < CODES; ++i) {
@@ -471,7 +658,11 @@ __global__ void __launch_bounds__(kDownMaxWarps * 32) moe_down_kernel(const __gr
     if (n >= a.H) break;
     float acc = 0.0f;
     for (int jj = 0; jj <= a.k; ++jj) acc += part[jj * rb + r];
-    a.out[size_t(t) * a.H + n] = __float2bfloat16(acc);
+    const size_t o = size_t(t) * a.H + n;
+    if (a.resid)
+      a.resid[o] += (a.pending ? to_f(a.pending[o]) : 0.0f) + acc;  // x ← x + d + MoE(m)
+    else
+      a.out[o] = __float2bfloat16(acc);
   }
 }
 
@@ -483,6 +674,14 @@ bool chunks_fit(const QMatrix& q, int bits, int max_chunks) {
   return q.bits == bits && q.K % codes == 0 && q.K / codes <= max_chunks && q.group % codes == 0 && aligned(q.w, 16);
 }
 
+// Whether the fused router takes these shapes: router and shared-expert gate rows of H codes in 16-byte chunks of
+// one group each, at one bit width.
+bool router_fits(const MoeArgs& a, const MoeWeights& w) {
+  const int bits = w.router.bits;
+  return w.shared_expert_gate.bits == bits && chunks_fit(w.router, bits, kMaxHidden * bits / 128) &&
+         chunks_fit(w.shared_expert_gate, bits, kMaxHidden * bits / 128) && a.H % 8 == 0;
+}
+
 bool decode_fits(const MoeArgs& a, const MoeWeights& w) {
   const int gb = w.gate.bits, db = w.down.bits;
   const int gu_max = kMaxHidden * gb / 128;  // chunks of a row of H the registers hold (CPL · 32)
@@ -491,8 +690,10 @@ bool decode_fits(const MoeArgs& a, const MoeWeights& w) {
          chunks_fit(w.shared_down, db, 32);
 }
 
-void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Route& r, bf16* out) {
+void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Route& r, bf16* out,
+                float* resid, const bf16* pending) {
   DecodeArgs d{};
+  d.resid = resid, d.pending = pending;
   d.gate = stack_of(w.gate), d.up = stack_of(w.up), d.down = stack_of(w.down);
   d.sgate = stack_of(w.shared_gate), d.sup = stack_of(w.shared_up), d.sdown = stack_of(w.shared_down);
   d.m = m, d.ids = r.ids, d.wts = r.wts, d.gamma = r.gamma, d.out = out;
@@ -506,7 +707,7 @@ void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, 
     d.rb_gu = kGuWarps * kGuSteps<BITS> * (32 / d.lpr_gu);
     d.tiles_gu = int(cdiv(d.hs, d.rb_gu));
     const dim3 grid(unsigned((a.top_k + 1) * d.tiles_gu), unsigned(a.T));
-    moe_gate_up_kernel<BITS><<<grid, kGuWarps * 32, 0, ctx.stream>>>(d);
+    launch(ctx, moe_gate_up_kernel<BITS>, grid, kGuWarps * 32, 0, d);
   });
   check_launch("moe_gate_up_kernel");
 
@@ -516,20 +717,24 @@ void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, 
     d.rb_down = kDownSteps * rpw;  // a multiple of both slots' rows per warp step
     const dim3 grid(unsigned(cdiv(a.H, d.rb_down)), unsigned(a.T));
     const size_t smem = size_t(a.top_k + 1) * d.rb_down * sizeof(float);
-    moe_down_kernel<BITS><<<grid, 32 * (a.top_k + 1), smem, ctx.stream>>>(d);
+    launch(ctx, moe_down_kernel<BITS>, grid, 32 * (a.top_k + 1), smem, d);
   });
   check_launch("moe_down_kernel");
 }
 
-void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Route& r, bf16* out) {
+void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Route& r, bf16* out,
+                 float* resid) {
   const int T = a.T, k = a.top_k, E = a.E, H = a.H, I = a.I, IS = a.IS, P = T * k;
 
   char* sb = static_cast<char*>(ctx.scratch(kSlotMoeSort, align256((E + 1) * 4) + 2 * align256(size_t(P) * 4)));
   int32_t* offsets = reinterpret_cast<int32_t*>(sb);
   int32_t* rows = reinterpret_cast<int32_t*>(sb + align256((E + 1) * 4));
   int32_t* pos = reinterpret_cast<int32_t*>(sb + align256((E + 1) * 4) + align256(size_t(P) * 4));
-  moe_sort_kernel<<<E, kSortThreads, 0, ctx.stream>>>(r.ids, P, k, E, offsets, rows, pos);
-  check_launch("moe_sort_kernel");
+  if (ctx.opts.on(Opt::moe_sort_scan))
+    launch(ctx, moe_sort_scan_kernel, 1, kSortThreads, 0, r.ids, P, k, E, offsets, rows, pos);
+  else
+    launch(ctx, moe_sort_kernel, E, kSortThreads, 0, r.ids, P, k, E, offsets, rows, pos);
+  check_launch("moe_sort");
 
   bf16* h = static_cast<bf16*>(ctx.scratch(kSlotMoeHidden, size_t(P) * I * sizeof(bf16)));
   bf16* yd = static_cast<bf16*>(ctx.scratch(kSlotMoeOut, size_t(P) * H * sizeof(bf16)));
@@ -546,12 +751,12 @@ void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m,
   qmm(ctx, w.shared_up, m, T, su, true);
   const size_t n = size_t(T) * IS;
   const int blocks = int(std::min<size_t>(cdiv(n, kSwigluThreads), size_t(ctx.num_sms) * 8));
-  moe_swiglu_kernel<<<blocks, kSwigluThreads, 0, ctx.stream>>>(sg, su, n, sh);
+  launch(ctx, moe_swiglu_kernel, blocks, kSwigluThreads, 0, sg, su, n, sh);
   check_launch("moe_swiglu_kernel");
   qmm(ctx, w.shared_down, sh, T, s, false);
 
   const dim3 grid(unsigned(cdiv(H / 8, kCombineThreads)), unsigned(T));
-  moe_combine_kernel<<<grid, kCombineThreads, 0, ctx.stream>>>(yd, s, pos, r, H, k, out);
+  launch(ctx, moe_combine_kernel, grid, kCombineThreads, 0, yd, s, pos, r, H, k, out, resid);
   check_launch("moe_combine_kernel");
 }
 
@@ -559,7 +764,17 @@ void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m,
 
 // ---- launcher -----------------------------------------------------------------------------------------------------
 
-void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out) {
+namespace {
+
+// The norm prologue's inputs: m = rms_norm(x + d)·nw, and x ← x + d + MoE(m) at the end.
+struct NormIn {
+  float* x;
+  const bf16* d;
+  const float* nw;
+  float eps;
+};
+
+void check_moe(const MoeArgs& a, const MoeWeights& w, const bf16* m, const bf16* out) {
   LILY_CHECK(a.T >= 0, "moe: T = ", a.T, " is negative");
   LILY_CHECK(a.E >= 1 && a.E <= kMaxExperts, "moe: E = ", a.E, " must be in [1, ", kMaxExperts, "]");
   LILY_CHECK(a.top_k >= 1 && a.top_k <= std::min(a.E, 31), "moe: top_k = ", a.top_k, " must be in [1, min(E, 31)]");
@@ -571,26 +786,70 @@ void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* o
   LILY_CHECK(aligned(m, 16) && aligned(out, 16), "moe: m and out must be 16-byte aligned");
   LILY_CHECK(int64_t(a.T) * a.top_k * std::max(a.H, std::max(a.I, a.IS)) < (int64_t(1) << 31),
              "moe: T·top_k·max(H, I, IS) must stay below 2^31");
-  if (a.T == 0) return;
+}
 
-  float* logits = static_cast<float*>(ctx.scratch(kSlotMoeLogits, size_t(a.T) * a.E * sizeof(float)));
+// The MoE block on m (or, with `norm`, on rms_norm(x + d)·nw computed in the router's prologue and written to m);
+// the result goes to out, or is added to resid (fp32; with `norm`, together with d).
+void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, bf16* m, bf16* out, float* resid, const NormIn* norm) {
+  float* logits = static_cast<float*>(ctx.scratch(kSlotMoeLogits, (size_t(a.T) * a.E + 1) * sizeof(float)));
   const size_t tk = align256(size_t(a.T) * a.top_k * 4);
   char* rb = static_cast<char*>(ctx.scratch(kSlotMoeRoute, 2 * tk + size_t(a.T) * sizeof(float)));
   const Route r{reinterpret_cast<int32_t*>(rb), reinterpret_cast<float*>(rb + tk),
                 reinterpret_cast<float*>(rb + 2 * tk)};
 
-  qmm(ctx, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
-  dispatch_bits(w.shared_expert_gate.bits, [&](auto bits) {
-    constexpr int BITS = decltype(bits)::value;
-    moe_route_kernel<BITS><<<unsigned(cdiv(a.T, kRouteWarps)), kRouteWarps * 32, 0, ctx.stream>>>(
-        logits, m, stack_of(w.shared_expert_gate), a.T, a.E, a.top_k, a.H, a.norm_topk_prob, r);
-  });
-  check_launch("moe_route_kernel");
+  const bool decode = a.T <= kMoeDecodeMaxT && decode_fits(a, w);
+  if (decode && a.T == 1 && ctx.opts.on(Opt::fused_router) && router_fits(a, w)) {
+    RouterArgs ra{};
+    ra.router = stack_of(w.router), ra.seg = stack_of(w.shared_expert_gate), ra.m = m;
+    if (norm) ra.x = norm->x, ra.d = norm->d, ra.nw = norm->nw, ra.m_out = m, ra.eps = norm->eps;
+    ra.logits = logits, ra.arrived = ctx.counters(kCounterRouter + 1) + kCounterRouter, ra.r = r;
+    ra.E = a.E, ra.k = a.top_k, ra.H = a.H, ra.norm_topk = a.norm_topk_prob;
+    const unsigned grid = unsigned(cdiv(a.E + 1, kRouterWarps));
+    dispatch_bits(w.router.bits, [&](auto bits) {
+      constexpr int BITS = decltype(bits)::value;
+      if (norm)
+        launch(ctx, moe_router_kernel<BITS, true>, grid, kRouterWarps * 32, 0, ra);
+      else
+        launch(ctx, moe_router_kernel<BITS, false>, grid, kRouterWarps * 32, 0, ra);
+    });
+    check_launch("moe_router_kernel");
+  } else {
+    LILY_ASSERT(!norm, "moe: the norm prologue needs the fused router");
+    qmm(ctx, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
+    dispatch_bits(w.shared_expert_gate.bits, [&](auto bits) {
+      launch(ctx, moe_route_kernel<decltype(bits)::value>, unsigned(cdiv(a.T, kRouteWarps)), kRouteWarps * 32, 0,
+             logits, m, stack_of(w.shared_expert_gate), a.T, a.E, a.top_k, a.H, a.norm_topk_prob, r);
+    });
+    check_launch("moe_route_kernel");
+  }
 
-  if (a.T <= kMoeDecodeMaxT && decode_fits(a, w))
-    moe_decode(ctx, a, w, m, r, out);
+  if (decode)
+    moe_decode(ctx, a, w, m, r, out, resid, norm ? norm->d : nullptr);
   else
-    moe_prefill(ctx, a, w, m, r, out);
+    moe_prefill(ctx, a, w, m, r, out, resid);
+}
+
+}  // namespace
+
+void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out) {
+  check_moe(a, w, m, out);
+  if (a.T == 0) return;
+  run_moe(ctx, a, w, const_cast<bf16*>(m), out, nullptr, nullptr);
+}
+
+void moe_residual(Ctx& ctx, float* x, const bf16* d, const float* nw, float eps, const MoeArgs& a,
+                  const MoeWeights& w, bf16* m, bf16* out) {
+  check_moe(a, w, m, out);
+  if (a.T == 0) return;
+  LILY_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "moe_residual: x must be 16-byte aligned");
+  if (a.T == 1 && ctx.opts.on(Opt::norm_prologue) && ctx.opts.on(Opt::fused_router) && decode_fits(a, w) &&
+      router_fits(a, w) && a.H <= kMaxHidden) {
+    const NormIn norm{x, d, nw, eps};
+    run_moe(ctx, a, w, m, out, x, &norm);
+    return;
+  }
+  add_rms_norm(ctx, x, d, nw, a.T, a.H, eps, m);  // x ← x + d;  m = rms_norm(x)·nw
+  run_moe(ctx, a, w, m, out, x, nullptr);           // x ← x + MoE(m)
 }
 
 }  // namespace lily::cuda

@@ -33,6 +33,8 @@ template <int BITS>
 __global__ void __launch_bounds__(kEmbedThreads) embed_kernel(const uint32_t* w, const uint16_t* scales,
                                                               const uint16_t* biases, const int32_t* tokens, int K,
                                                               int group, float* x) {
+  pdl_trigger();
+  pdl_wait();
   constexpr int kPerWord = 32 / BITS;
   const int t = blockIdx.x;
   const size_t id = size_t(tokens[t]);
@@ -56,6 +58,8 @@ __global__ void __launch_bounds__(kEmbedThreads) embed_kernel(const uint32_t* w,
 template <int VPT, bool ADD>
 __global__ void __launch_bounds__(1024) rms_norm_kernel(const float* x, const bf16* d, float* x_sum, const float* w,
                                                         int H4, float eps, bf16* out) {
+  pdl_trigger();
+  pdl_wait();
   const size_t row = size_t(blockIdx.x) * H4;
   const float4* xr = reinterpret_cast<const float4*>(x) + row;
   const float4* wr = reinterpret_cast<const float4*>(w);
@@ -108,7 +112,7 @@ void launch_rms_norm(Ctx& ctx, const float* x, const bf16* d, float* x_sum, cons
   auto go = [&](auto vpt) {
     constexpr int VPT = decltype(vpt)::value;
     const int threads = int(cdiv(cdiv(H4, VPT), 32) * 32);
-    rms_norm_kernel<VPT, ADD><<<T, threads, 0, ctx.stream>>>(x, d, x_sum, w, H4, eps, out);
+    launch(ctx, rms_norm_kernel<VPT, ADD>, T, threads, 0, x, d, x_sum, w, H4, eps, out);
   };
   if (H4 <= kNormThreads)
     go(std::integral_constant<int, 1>{});
@@ -134,8 +138,8 @@ void embed(Ctx& ctx, const QMatrix& table, const int32_t* tokens, int T, float* 
                table.group, " must divide K = ", table.K, " and be a multiple of ", 32 / BITS);
     LILY_CHECK(aligned(x, 16), "embed: x must be 16-byte aligned");
     if (T == 0) return;
-    embed_kernel<BITS><<<T, kEmbedThreads, 0, ctx.stream>>>(table.w, table.scales, table.biases, tokens, table.K,
-                                                           table.group, x);
+    launch(ctx, embed_kernel<BITS>, T, kEmbedThreads, 0, table.w, table.scales, table.biases, tokens, table.K,
+           table.group, x);
   });
   check_launch("embed");
 }

@@ -29,7 +29,9 @@
 // Checks   bits 4|8; group 32|64|128; K % group == 0; 16-byte aligned W and x; qmm W.E == 1; moe B like A;
 //          offsets non-decreasing with offsets[E] − offsets[0] ≤ max_rows (not checkable on the host).
 // Ref      cpu/qmm.cpp (qmm), cpu/moe.cpp (experts) · Test tests/ops (op qmm, T > 8; op moe)
-// History  v1 (this)
+// History  v1 (current): H200, T=4096, ncu: qmm 8192×2048 265 µs (130 TFLOP/s), moe_gemm gate+up 869 µs / down 448 µs
+//          per layer (158 / 153 TFLOP/s). Tried and removed: dequantising tile k+1 a quarter at a time between the k16
+//          steps of tile k's MMAs (issue overlap): 262 µs / 889 µs / 473 µs, no gain (2026-12-01).
 #include "backend/cuda/gemm.cuh"
 #include "backend/cuda/ops.cuh"
 
@@ -222,6 +224,8 @@ template <int BITS, int MI>
 __global__ void __launch_bounds__(kThreads, MI == 2 ? 3 : 2)
     qmm_kernel(const QMatrix W, const bf16* __restrict__ x, int T, void* __restrict__ y, bool y_f32, int gshift) {
   extern __shared__ __align__(128) char smem[];
+  pdl_trigger();
+  pdl_wait();
   constexpr int BM = 32 * MI;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
   const int N = W.N, K = W.K;
@@ -313,6 +317,8 @@ __global__ void __launch_bounds__(kThreads, MI == 2 ? 3 : 2)
   extern __shared__ __align__(128) char smem[];
   constexpr int BM = 32 * MI;
   constexpr int kOutN = FUSED ? kBN / 2 : kBN;  // output columns per tile
+  pdl_trigger();
+  pdl_wait();
   int e, r0, r1;
   if (!find_tile<BM>(offsets, A.E, blockIdx.y, e, r0, r1)) return;
 
@@ -373,7 +379,7 @@ void launch_qmm(const Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y,
   constexpr int smem = 2 * kStageBytes<MI>;
   allow_smem(qmm_kernel<BITS, MI>, smem);
   const dim3 grid(unsigned(cdiv(W.N, kBN)), unsigned(cdiv(T, 32 * MI)));
-  qmm_kernel<BITS, MI><<<grid, kThreads, smem, ctx.stream>>>(W, x, T, y, y_f32, gshift);
+  launch(ctx, qmm_kernel<BITS, MI>, grid, kThreads, smem, W, x, T, y, y_f32, gshift);
 }
 
 template <int BITS, int MI, bool FUSED>
@@ -385,7 +391,7 @@ void launch_moe(const Ctx& ctx, const QMatrix& A, const QMatrix& B, const int32_
   LILY_CHECK(tiles <= 65535, "moe_gemm: max_rows=", max_rows, " with E=", A.E, " needs ", tiles,
              " row tiles, over the grid limit 65535");
   const dim3 grid(unsigned(cdiv(A.N, FUSED ? kBN / 2 : kBN)), unsigned(tiles));
-  moe_gemm_kernel<BITS, MI, FUSED><<<grid, kThreads, smem, ctx.stream>>>(A, B, offsets, rows, x, y, gshift);
+  launch(ctx, moe_gemm_kernel<BITS, MI, FUSED>, grid, kThreads, smem, A, B, offsets, rows, x, y, gshift);
 }
 
 void check_out_alignment(const char* op, const void* y, int N, int elem_bytes) {
@@ -425,9 +431,11 @@ void moe_gemm(Ctx& ctx, const QMatrix& A, const QMatrix* B, const int32_t* offse
   check_out_alignment("moe_gemm", y, A.N, 2);
   if (max_rows == 0) return;
   const int gshift = log2_exact(A.group);
-  // 128-row tiles only when experts average ≥ 256 rows; below that the partial last tile of each expert wastes
-  // too much (typical prefill: 32768 rows / 256 experts = 128 → 64-row tiles).
-  const bool big = int64_t(max_rows) >= int64_t(256) * A.E;
+  // 128-row tiles when experts average ≥ 96 rows (switch moe_tiles_128; without it ≥ 256): each dequantised weight
+  // tile then serves twice the rows, at the price of the partial last tile of each expert (typical prefill: 32768
+  // rows / 256 experts = 128 per expert).
+  const int64_t per_expert = ctx.opts.on(Opt::moe_tiles_128) ? 96 : 256;
+  const bool big = int64_t(max_rows) >= per_expert * A.E;
   dispatch_bits(A.bits, [&](auto bits) {
     constexpr int BITS = decltype(bits)::value;
     if (B && big)

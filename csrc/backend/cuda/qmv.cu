@@ -44,7 +44,8 @@ struct QmvSeg {
   const uint16_t* b;   // [N, groups]
   void* y;             // [T, N]
   int N;
-  int block0;          // first block of this matrix
+  int block0;          // first block of this matrix (qmv_kernel)
+  int row0;            // first row of this matrix among all the launch's rows (qmv_stream_kernel)
 };
 
 struct QmvParams {
@@ -56,7 +57,12 @@ struct QmvParams {
   int groups;          // groups per row
   int gshift;          // chunk → group: c >> gshift
   int split_log;       // log2 of the warps sharing one row set (K split)
+  int rows;            // rows of all matrices together
   bool y_f32;
+  // The norm prologue (NORM, T = 1): x = rms_norm(xf)·nw, from the fp32 residual stream instead of a bf16 x.
+  const float* xf;     // [K]
+  const float* nw;     // [K]
+  float eps;
 };
 
 // float4 slot of element e (e % 4 == 0) in a swizzled fp32 x row: rows of 32 floats, slot (e/4 mod 8) XOR (row mod 8).
@@ -65,8 +71,56 @@ __device__ __forceinline__ int xslot(int e) {
   return row * 8 + (((e >> 2) ^ row) & 7);
 }
 
-template <int BITS, int T>
+// Stages x for the block: swizzled fp32 (xslot) and Σx per 16-byte chunk of codes; bf16 x, or with NORM (T = 1)
+// x = rms_norm(xf)·nw from the fp32 residual stream. Every thread of the block calls it (a block-wide sum).
+template <int BITS, int T, bool NORM>
+__device__ __forceinline__ void stage_x(const QmvParams& p, float4* xs, float* xsum) {
+  constexpr int kEpc = 128 / BITS;
+  const int K4 = p.K / 4, C = p.chunks;
+  if constexpr (NORM) {  // x = xf / sqrt(mean(xf²) + eps) · nw, staged like the bf16 x below
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K4; i += blockDim.x) {
+      const float4 v = reinterpret_cast<const float4*>(p.xf)[i];
+      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    const float rs = 1.0f / sqrtf(block_sum(ss) / float(p.K) + p.eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int v = 0; v < kEpc / 4; ++v) {
+        const int e = c * kEpc + 4 * v;
+        const float4 xv = *reinterpret_cast<const float4*>(p.xf + e), wv = *reinterpret_cast<const float4*>(p.nw + e);
+        const float4 f = make_float4(xv.x * rs * wv.x, xv.y * rs * wv.y, xv.z * rs * wv.z, xv.w * rs * wv.w);
+        xs[xslot(e)] = f;
+        sum += (f.x + f.y) + (f.z + f.w);
+      }
+      xsum[c] = sum;
+    }
+  }
+  // Stage x as swizzled fp32 and Σx per chunk; one thread per (t, chunk).
+  for (int i = threadIdx.x; i < (NORM ? 0 : T * C); i += blockDim.x) {
+    const int t = i / C, c = i - t * C;
+    const bf16* src = p.x + size_t(t) * p.K + c * kEpc;
+    float sum = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kEpc / 8; ++v) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + v);
+      const float2 f0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.z));
+      const float2 f3 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.w));
+      sum += ((f0.x + f0.y) + (f1.x + f1.y)) + ((f2.x + f2.y) + (f3.x + f3.y));
+      const int e = c * kEpc + 8 * v;
+      xs[t * K4 + xslot(e)] = make_float4(f0.x, f0.y, f1.x, f1.y);
+      xs[t * K4 + xslot(e + 4)] = make_float4(f2.x, f2.y, f3.x, f3.y);
+    }
+    xsum[t * C + c] = sum;
+  }
+}
+
+template <int BITS, int T, bool NORM>
 __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
+  static_assert(!NORM || T == 1, "the norm prologue serves one token");
   using Q = QCodes<BITS>;
   constexpr int kEpc = 128 / BITS;           // codes per 16-byte chunk
   constexpr int kPW = Q::kPerWord;           // codes per word
@@ -166,27 +220,11 @@ __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
   };
 
   const int first = sp * 32;
-  if (active) load(first);  // the weight stream starts before x is staged
+  pdl_trigger();
+  if (active) load(first);  // the weight stream starts before x is staged (and before the previous kernel is done)
+  pdl_wait();
 
-  // Stage x as swizzled fp32 and Σx per chunk; one thread per (t, chunk).
-  for (int i = threadIdx.x; i < T * C; i += blockDim.x) {
-    const int t = i / C, c = i - t * C;
-    const bf16* src = p.x + size_t(t) * p.K + c * kEpc;
-    float sum = 0.0f;
-#pragma unroll
-    for (int v = 0; v < kEpc / 8; ++v) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + v);
-      const float2 f0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.z));
-      const float2 f3 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.w));
-      sum += ((f0.x + f0.y) + (f1.x + f1.y)) + ((f2.x + f2.y) + (f3.x + f3.y));
-      const int e = c * kEpc + 8 * v;
-      xs[t * K4 + xslot(e)] = make_float4(f0.x, f0.y, f1.x, f1.y);
-      xs[t * K4 + xslot(e + 4)] = make_float4(f2.x, f2.y, f3.x, f3.y);
-    }
-    xsum[t * C + c] = sum;
-  }
+  stage_x<BITS, T, NORM>(p, xs, xsum);
   __syncthreads();
 
   if (active) {
@@ -219,22 +257,136 @@ __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
   }
 }
 
-template <int BITS, int T>
-void launch(const Ctx& ctx, const QmvParams& p, int grid, size_t smem) {
-  auto kernel = qmv_kernel<BITS, T>;
+// ---- the streaming decode GEMV (switch qmv_stream): T = 1 ---------------------------------------------------------
+// Persistent: kStreamBlocksPerSm blocks per SM stage x once; warp w of the grid takes units (RPU rows) w, w + warps,
+// … over all the launch's rows, and loads unit u + warps before it computes unit u, so every warp keeps two units'
+// codes in flight and no block waits for a second wave. Lane l holds chunks l + 32·i (i < CPL) of each row; the x
+// values of a chunk are read once for the unit's rows. RPU·CPL = 4 16-byte loads per lane and unit (2 rows of 2
+// chunks at K = 2048 in 4 bits; 1 row of 4 chunks at K = 4096). Same arithmetic as qmv_kernel.
+constexpr int kStreamWarps = 8;
+constexpr int kStreamBlocksPerSm = 2;
+
+template <int RPU, int CPL>
+struct StreamUnit {
+  uint4 q[RPU][CPL];
+  uint16_t s[RPU][CPL], b[RPU][CPL];
+};
+
+template <int BITS, int CPL, bool NORM>
+__global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_stream_kernel(const QmvParams p) {
+  using Q = QCodes<BITS>;
+  constexpr int kEpc = 128 / BITS, kPW = Q::kPerWord, RPU = 4 / CPL;
+  extern __shared__ float4 xs[];  // [K/4] swizzled fp32 x, then xsum fp32 [chunks]
+  const int C = p.chunks;
+  float* xsum = reinterpret_cast<float*>(xs + p.K / 4);
+  const int lane = threadIdx.x & 31;
+  const int warps = gridDim.x * kStreamWarps, units = p.rows / RPU;
+  int u = blockIdx.x * kStreamWarps + (threadIdx.x >> 5);
+
+  auto locate = [&](int row, int& n) -> const QmvSeg& {  // the matrix of a launch row, and its row n there
+    int si = 0;
+#pragma unroll
+    for (int i = 1; i < kMaxSegs; ++i)
+      if (i < p.nseg && row >= p.seg[i].row0) si = i;
+    n = row - p.seg[si].row0;
+    return p.seg[si];
+  };
+  auto load = [&](int unit, StreamUnit<RPU, CPL>& U) {
+#pragma unroll
+    for (int r = 0; r < RPU; ++r) {
+      int n;
+      const QmvSeg& sg = locate(RPU * unit + r, n);
+      const uint4* w4 = reinterpret_cast<const uint4*>(sg.w) + size_t(n) * C;
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) {
+        const int c = lane + 32 * i, g = n * p.groups + (c >> p.gshift);
+        U.q[r][i] = __ldg(w4 + c);
+        U.s[r][i] = __ldg(sg.s + g);
+        U.b[r][i] = __ldg(sg.b + g);
+      }
+    }
+  };
+  auto compute = [&](int unit, const StreamUnit<RPU, CPL>& U) {
+    float acc[RPU] = {};
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = lane + 32 * i, e0 = c * kEpc;
+      float d[RPU] = {};
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi) {
+        float xv[kPW];
+#pragma unroll
+        for (int h = 0; h < kPW / 4; ++h) {
+          const float4 f = xs[xslot(e0 + wi * kPW + 4 * h)];
+          xv[4 * h] = f.x, xv[4 * h + 1] = f.y, xv[4 * h + 2] = f.z, xv[4 * h + 3] = f.w;
+        }
+#pragma unroll
+        for (int r = 0; r < RPU; ++r) {
+          const uint4& q = U.q[r][i];
+          float v[kPW];
+          Q::decode(wi == 0 ? q.x : wi == 1 ? q.y : wi == 2 ? q.z : q.w, v);
+#pragma unroll
+          for (int j = 0; j < kPW; ++j) d[r] = fmaf(v[j], xv[j], d[r]);  // Σ (kOffset + q)·x
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < RPU; ++r) {
+        const float sc = bf16_bits_to_f(U.s[r][i]), b = bf16_bits_to_f(U.b[r][i]) - Q::kOffset * sc;
+        acc[r] = fmaf(sc, d[r], fmaf(b, xsum[c], acc[r]));
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RPU; ++r) {
+      const float v = warp_sum(acc[r]);
+      if (lane == 0) {
+        int n;
+        const QmvSeg& sg = locate(RPU * unit + r, n);
+        if (p.y_f32)
+          static_cast<float*>(sg.y)[n] = v;
+        else
+          static_cast<bf16*>(sg.y)[n] = __float2bfloat16(v);
+      }
+    }
+  };
+
+  StreamUnit<RPU, CPL> A, B;
+  pdl_trigger();
+  if (u < units) load(u, A);  // the weight stream starts before the previous kernel is done
+  pdl_wait();
+  stage_x<BITS, 1, NORM>(p, xs, xsum);
+  __syncthreads();
+  while (u < units) {  // two units per trip, so that A and B swap roles without run-time register indexing
+    const int u1 = u + warps;
+    if (u1 < units) load(u1, B);
+    compute(u, A);
+    if (u1 >= units) break;
+    const int u2 = u1 + warps;
+    if (u2 < units) load(u2, A);
+    compute(u1, B);
+    u = u2;
+  }
+}
+
+template <int BITS, int T, bool NORM = false>
+void launch_qmv(const Ctx& ctx, const QmvParams& p, int grid, size_t smem) {
+  auto kernel = qmv_kernel<BITS, T, NORM>;
   if (smem + red_bytes(T) > 48 * 1024)  // dynamic + static past the default limit
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<grid, kWarps * 32, smem, ctx.stream>>>(p);
+  launch(ctx, kernel, grid, kWarps * 32, smem, p);
 }
 
 template <int BITS, int... Ts>
 void launch_t(const Ctx& ctx, const QmvParams& p, int T, int grid, size_t smem, std::integer_sequence<int, Ts...>) {
-  ((T == Ts + 1 ? launch<BITS, Ts + 1>(ctx, p, grid, smem) : void()), ...);
+  ((T == Ts + 1 ? launch_qmv<BITS, Ts + 1>(ctx, p, grid, smem) : void()), ...);
 }
 
 }  // namespace
 
-void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
+namespace {
+
+// qmv_multi, and with `norm` (T = 1) x = rms_norm(xf)·nw computed in the prologue.
+void run_qmv(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32, const float* xf,
+             const float* nw, float eps) {
   LILY_CHECK(n >= 1 && n <= kMaxSegs, "qmv: ", n, " matrices in one launch, at most ", kMaxSegs);
   const QMatrix& W = Ws[0];
   for (int i = 0; i < n; ++i) {
@@ -247,8 +399,9 @@ void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* c
     LILY_CHECK(ys[i], "qmv: null y");
   }
   LILY_CHECK(T >= 1 && T <= kQmvMaxT, "qmv: T=", T, " is outside [1, ", kQmvMaxT, "]");
-  LILY_CHECK(x, "qmv: null x");
-  LILY_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "qmv: x is not 16-byte aligned");
+  LILY_CHECK(xf ? T == 1 && nw : x != nullptr, "qmv: null x, or a norm prologue for T ≠ 1");
+  LILY_CHECK(reinterpret_cast<uintptr_t>(xf ? static_cast<const void*>(xf) : x) % 16 == 0,
+             "qmv: x is not 16-byte aligned");
 
   const int epc = 128 / W.bits;
   QmvParams p;
@@ -259,6 +412,7 @@ void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* c
   p.groups = W.K / W.group;
   p.gshift = log2_exact(W.group / epc);
   p.y_f32 = y_f32;
+  p.xf = xf, p.nw = nw, p.eps = eps;
 
   const size_t smem = size_t(T) * W.K * 4 + size_t(T) * p.chunks * 4;
   LILY_CHECK(smem + red_bytes(T) <= ctx.smem_optin, "qmv: staging x for T=", T, ", K=", W.K, " needs ", smem,
@@ -271,15 +425,65 @@ void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* c
   while (p.split_log < 3 && (64 << p.split_log) <= p.chunks && (row_warps << p.split_log) < 16 * ctx.num_sms)
     ++p.split_log;
   int64_t grid = 0;
+  p.rows = 0;
+  const int cpl = p.chunks / 32, rpu = cpl >= 1 && cpl <= 4 ? 4 / cpl : 0;
+  bool whole_units = p.chunks % 32 == 0 && rpu > 0;
   for (int i = 0; i < n; ++i) {
-    p.seg[i] = QmvSeg{Ws[i].w, Ws[i].scales, Ws[i].biases, ys[i], Ws[i].N, int(grid)};
+    p.seg[i] = QmvSeg{Ws[i].w, Ws[i].scales, Ws[i].biases, ys[i], Ws[i].N, int(grid), p.rows};
     grid += cdiv(Ws[i].N, (kWarps >> p.split_log) * kRows);
+    p.rows += Ws[i].N;
+    whole_units = whole_units && Ws[i].N % rpu == 0;
+  }
+
+  // The streaming kernel: one token, whole 32-chunk lanes (CPL 1 or 2, and 4 at 8 bits: 4-bit rows of 4096 spill
+  // at CPL 4 and stay with qmv_kernel, which splits them over 4 warps), and every matrix in whole units of 4/CPL rows
+  // (all the real projections).
+  if (T == 1 && ctx.opts.on(Opt::qmv_stream) && whole_units && (cpl == 1 || cpl == 2 || (cpl == 4 && W.bits == 8))) {
+    const int blocks = int(std::min<int64_t>(int64_t(kStreamBlocksPerSm) * ctx.num_sms,
+                                             cdiv(p.rows / rpu, kStreamWarps)));
+    dispatch_bits(W.bits, [&](auto bits) {
+      constexpr int BITS = decltype(bits)::value;
+      auto go = [&](auto cpl_c, auto norm_c) {
+        auto kernel = qmv_stream_kernel<BITS, decltype(cpl_c)::value, decltype(norm_c)::value>;
+        if (smem > 48 * 1024)
+          LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+        launch(ctx, kernel, blocks, kStreamWarps * 32, smem, p);
+      };
+      auto with_cpl = [&](auto norm_c) {
+        if (cpl == 1)
+          go(std::integral_constant<int, 1>{}, norm_c);
+        else if (cpl == 2)
+          go(std::integral_constant<int, 2>{}, norm_c);
+        else if constexpr (BITS == 8)
+          go(std::integral_constant<int, 4>{}, norm_c);
+      };
+      if (xf)
+        with_cpl(std::true_type{});
+      else
+        with_cpl(std::false_type{});
+    });
+    check_launch("qmv_stream");
+    return;
   }
 
   dispatch_bits(W.bits, [&](auto bits) {
-    launch_t<decltype(bits)::value>(ctx, p, T, int(grid), smem, std::make_integer_sequence<int, kQmvMaxT>{});
+    if (xf)
+      launch_qmv<decltype(bits)::value, 1, true>(ctx, p, int(grid), smem);
+    else
+      launch_t<decltype(bits)::value>(ctx, p, T, int(grid), smem, std::make_integer_sequence<int, kQmvMaxT>{});
   });
   check_launch("qmv");
+}
+
+}  // namespace
+
+void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
+  run_qmv(ctx, Ws, n, x, T, ys, y_f32, nullptr, nullptr, 0.0f);
+}
+
+void qmv_norm(Ctx& ctx, const QMatrix* Ws, int n, const float* x, const float* w, float eps, void* const* ys,
+              bool y_f32) {
+  run_qmv(ctx, Ws, n, nullptr, 1, ys, y_f32, x, w, eps);
 }
 
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) {

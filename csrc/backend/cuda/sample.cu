@@ -53,6 +53,8 @@ __device__ __forceinline__ uint64_t splitmix64_d(uint64_t x) {
 }
 
 __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleKernelArgs a) {
+  pdl_trigger();
+  pdl_wait();
   __shared__ float s_f[32];
   __shared__ int s_i[32];
   __shared__ double s_d[32];
@@ -221,7 +223,7 @@ bool can_sample(const SamplingParams& p, int n_valid) {
 
 void sample(Ctx& ctx, const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st) {
   LILY_CHECK(can_sample(p, n_valid), "CUDA sample: these sampling parameters need the host sampler");
-  sample_kernel<<<1, kSampleThreads, 0, ctx.stream>>>(SampleKernelArgs{p, n_valid, logits, st});
+  launch(ctx, sample_kernel, 1, kSampleThreads, 0, SampleKernelArgs{p, n_valid, logits, st});
   check_launch("sample");
 }
 
