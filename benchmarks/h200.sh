@@ -27,7 +27,7 @@ for step in $steps; do
              -p no:cacheprovider > "$OUT/tests.log" 2>&1
            grep -E "passed|failed|^FAILED|^ERROR|Error|error|perplexity|agreement|assert" "$OUT/tests.log" | tail -30 ;;
     bench) timeout 400 python3 benchmarks/bench_model.py --backend cuda --lengths ${BENCH_LENGTHS:-4096,32768,131072} \
-             --greedy --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
+             ${BENCH_GREEDY:+--greedy} --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
     ablate) timeout 500 python3 benchmarks/bench_model.py --backend cuda --ablate \
               --lengths ${ABLATE_LENGTHS:-4096,32768,131072} --out "$OUT/ablation.json" 2>&1 | tee "$OUT/ablate.log" ;;
     profile) NCU="ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum"

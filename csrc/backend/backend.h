@@ -61,23 +61,6 @@ struct GdnArgs {
   float eps;           // gated RMSNorm epsilon
 };
 
-// The tensors of one Gated DeltaNet core call (gdn_conv → gdn_scan → gdn_norm), for backends that fuse the three.
-struct GdnTensors {
-  const void* x;         // [T, C] the in_proj_qkv output (raw, before the conv)
-  const float* conv_w;   // [C, K]
-  void* conv_state;      // [K-1, C]
-  const void* b;         // [T, NV]
-  const void* alpha;     // [T, NV]
-  const float* A_log;    // [NV]
-  const float* dt_bias;  // [NV]
-  float* state;          // fp32 [NV, DV, DK]
-  const void* z;         // [T, NV·DV]
-  const float* norm_w;   // [DV]
-  void* conv_out;        // scratch [T, C]
-  void* y;               // scratch [T, NV·DV]
-  void* out;             // [T, NV·DV]; may be conv_out, never an input
-};
-
 struct MoeArgs {
   int T, H;
   int E, top_k, I, IS;  // experts, experts per token, expert width, shared-expert width
@@ -163,30 +146,14 @@ class Backend {
                         const float* dt_bias, float* state, void* y) = 0;
   // gdn_norm: out = rms_norm(y per head; w) · silu(z). y, z, out [T, NV·DV]; w fp32 [DV].
   virtual void gdn_norm(const GdnArgs& a, const void* y, const void* z, const float* w, void* out) = 0;
-  // gdn: the three in order (t.conv_out and t.y hold the intermediates); a backend may fuse them.
-  virtual void gdn(const GdnArgs& a, const GdnTensors& t) {
-    gdn_conv(a, t.x, t.conv_w, t.conv_state, t.conv_out);
-    gdn_scan(a, t.conv_out, t.b, t.alpha, t.A_log, t.dt_bias, t.state, t.y);
-    gdn_norm(a, t.y, t.z, t.norm_w, t.out);
-  }
 
   // Sparse MoE block (§6): router softmax, top-k, renormalise, SwiGLU experts, shared expert with its sigmoid
   // gate. m, out [T, H].
   virtual void moe(const MoeArgs& a, const MoeWeights& w, const void* m, void* out) = 0;
 
-  // ---- the pre-norm residual steps as the forward pass calls them (a backend may fuse each into one op) ----------
-  // y[i] = (rms_norm(x)·w)·W[i]ᵀ for the n ≤ 4 matrices of one projection (n = 1: y_f32 for logits). x fp32 [T, H];
-  // a [T, H] activations is scratch (it may hold rms_norm(x)·w afterwards).
-  virtual void rms_norm_qmm(const float* x, const float* w, int T, int H, float eps, const QMatrix* W, int n, void* a,
-                            void* const* y, bool y_f32) {
-    rms_norm(x, w, T, H, eps, a);
-    if (n == 1)
-      qmm(W[0], a, T, y[0], y_f32);
-    else
-      qmm_multi(W, n, a, T, y);
-  }
   // The MoE half of a layer with its residual: x += d; m = rms_norm(x)·w; x += moe(m). x fp32 [T, H]; d [T, H]
-  // activations (the mixer's output); m and out [T, H] activations are scratch, and out may be d.
+  // activations (the mixer's output); m and out [T, H] activations are scratch, and out may be d. A backend may add
+  // the MoE result into x in the op's last kernel instead of through out.
   virtual void moe_residual(float* x, const void* d, const float* w, float eps, const MoeArgs& a,
                             const MoeWeights& mw, void* m, void* out) {
     add_rms_norm(x, d, w, a.T, a.H, eps, m);

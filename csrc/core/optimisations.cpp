@@ -7,17 +7,11 @@ namespace lily {
 const std::vector<OptInfo>& optimisation_table() {
   static const std::vector<OptInfo> table = {
       {Opt::pdl, "pdl", "cuda",
-       "programmatic dependent launch: each kernel loads its weights while the previous one drains"},
-      {Opt::fused_router, "fused_router", "cuda",
-       "MoE decode: router GEMV, softmax, top-k and the shared-expert gate in one kernel"},
-      {Opt::gdn_decode_fused, "gdn_decode_fused", "cuda",
-       "Gated DeltaNet decode: conv, q/k norms, gates, state update and gated RMSNorm in one kernel"},
+       "decode step: programmatic dependent launch, each kernel loads its weights while the previous one drains"},
       {Opt::gdn_chunked, "gdn_chunked", "cuda",
        "Gated DeltaNet prefill: chunks of 64 tokens in the WY form on tensor cores, not token by token"},
       {Opt::moe_sort_scan, "moe_sort_scan", "cuda",
        "MoE prefill: routed rows sorted by one histogram and scan instead of one pass over them per expert"},
-      {Opt::norm_prologue, "norm_prologue", "cuda",
-       "decode: each RMSNorm computed in the prologue of the GEMV or router that reads it, no norm kernels"},
       {Opt::qmv_stream, "qmv_stream", "cuda",
        "decode GEMV: persistent warps stream two-row units (two in flight each) instead of one wave of row blocks"},
       {Opt::moe_tiles_128, "moe_tiles_128", "cuda",

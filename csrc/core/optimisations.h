@@ -10,12 +10,9 @@
 namespace lily {
 
 enum class Opt : int {
-  pdl,               // CUDA: programmatic dependent launch (kernels prefetch weights while the previous one drains)
-  fused_router,      // CUDA: MoE decode routing (router GEMV, softmax, top-k, shared-expert gate) in one kernel
-  gdn_decode_fused,  // CUDA: Gated DeltaNet decode step (conv, norms, gates, state update, gated norm) in one kernel
+  pdl,               // CUDA: programmatic dependent launch in the replayed decode step (weights load early)
   gdn_chunked,       // CUDA: Gated DeltaNet prefill in chunks of 64 tokens on tensor cores (WY form)
   moe_sort_scan,     // CUDA: MoE prefill routing sorted by one histogram + scan instead of a pass per expert
-  norm_prologue,     // CUDA: decode RMSNorms computed in the prologue of the projection (or router) that reads them
   qmv_stream,        // CUDA: decode GEMV as persistent warps streaming two-row units, two in flight each
   moe_tiles_128,     // CUDA: MoE prefill GEMMs in 128-row tiles from 96 rows per expert (else from 256)
   kCount

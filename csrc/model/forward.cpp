@@ -6,8 +6,6 @@
 //   for each layer:  x ← x + Mixer(RMSNorm(x))      Mixer = GatedAttention (every 4th layer) or GatedDeltaNet
 //                    x ← x + MoE(RMSNorm(x))
 //   logits ← RMSNorm(x) · W_lmᵀ
-// Each RMSNorm is applied by the op that consumes it (rms_norm_qmm: the mixer's input projections and the lm_head;
-// moe_residual: the MoE half with both residual additions), so a backend can fold it into that op's first kernel.
 #include <algorithm>
 #include <cstring>
 
@@ -141,7 +139,10 @@ void Session::check_room(int n) const {
 void Session::reserve_kv(int rows) {
   if (rows <= kv_cap_) return;
   const Config& c = model_.config();
-  const int cap = std::min<int64_t>(max_context_, std::max<int64_t>(ceil_div(rows, 256) * 256, 2 * int64_t(kv_cap_)));
+  // Whole 256-row steps, and at least a quarter more than before, so that token-by-token growth copies rarely
+  // (a generation reserves its prompt and max_tokens up front: Session::reserve).
+  const int cap = std::min<int64_t>(
+      max_context_, std::max<int64_t>(ceil_div(rows, 256) * 256, int64_t(kv_cap_) + int64_t(kv_cap_) / 4));
   const size_t row_bytes = size_t(c.num_key_value_heads) * c.head_dim * be_.act_bytes();
   for (auto* cache : {&k_cache_, &v_cache_}) {
     for (void*& p : *cache) {
@@ -182,8 +183,8 @@ void Session::mixer_attention(const LayerWeights& L, int T, void* k_cache, void*
   AttnArgs a{T, pos_, kv_cap_, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim(),
              float(c.rope_theta), float(c.rms_norm_eps), device_pos ? pos_dev_ : nullptr};
   const QMatrix proj[3] = {L.q_proj, L.k_proj, L.v_proj};
-  void* const out[3] = {p0_, p1_, p2_};  // qg [T, NH, 2·HD], k [T, NKV·HD], v [T, NKV·HD] of RMSNorm(x)
-  be_.rms_norm_qmm(x_, L.input_norm, T, c.hidden_size, float(c.rms_norm_eps), proj, 3, a_, out, false);
+  void* const out[3] = {p0_, p1_, p2_};  // qg [T, NH, 2·HD], k [T, NKV·HD], v [T, NKV·HD]
+  be_.qmm_multi(proj, 3, a_, T, out);
   be_.attention(a, p0_, p1_, p2_, L.q_norm, L.k_norm, k_cache, v_cache, p3_);  // [T, NH·HD], gated
   be_.qmm(L.o_proj, p3_, T, d_, false);
 }
@@ -193,13 +194,12 @@ void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* r
   GdnArgs a{T, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
             c.linear_conv_kernel_dim, float(c.rms_norm_eps)};
   const QMatrix proj[4] = {L.in_proj_qkv, L.in_proj_z, L.in_proj_b, L.in_proj_a};
-  void* const out[4] = {p0_, p1_, p2_, p3_};  // X [T, conv_dim], z [T, NV·DV], b [T, NV], α [T, NV] of RMSNorm(x)
-  be_.rms_norm_qmm(x_, L.input_norm, T, c.hidden_size, float(c.rms_norm_eps), proj, 4, a_, out, false);
-  // C = silu(conv(X)) [T, conv_dim] in p4_; y = delta-rule scan [T, NV, DV] in p5_; o = gated norm(y, z), which
-  // may overwrite C (never an input), in p4_
-  be_.gdn(a, GdnTensors{p0_, L.conv1d, conv_state, p2_, p3_, L.A_log, L.dt_bias, rec_state, p1_, L.gdn_norm, p4_, p5_,
-                        p4_});
-  be_.qmm(L.out_proj, p4_, T, d_, false);
+  void* const out[4] = {p0_, p1_, p2_, p3_};  // X [T, conv_dim], z [T, NV·DV], b [T, NV], α [T, NV]
+  be_.qmm_multi(proj, 4, a_, T, out);
+  be_.gdn_conv(a, p0_, L.conv1d, conv_state, p4_);                          // C = silu(conv(X)) [T, conv_dim]
+  be_.gdn_scan(a, p4_, p2_, p3_, L.A_log, L.dt_bias, rec_state, p5_);       // y [T, NV, DV]
+  be_.gdn_norm(a, p5_, p1_, L.gdn_norm, p0_);                               // o [T, NV·DV]
+  be_.qmm(L.out_proj, p0_, T, d_, false);
 }
 
 void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, bool device_pos) {
@@ -215,6 +215,7 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
   int attn_i = 0, gdn_i = 0;
   for (size_t il = 0; il < W.layers.size(); ++il) {
     const LayerWeights& L = W.layers[il];
+    be_.rms_norm(x_, L.input_norm, T, H, eps, a_);  // a = pre-norm(x)
     if (L.full_attention) {
       mixer_attention(L, T, k_cache_[attn_i], v_cache_[attn_i], device_pos);
       ++attn_i;
@@ -236,14 +237,20 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
     logits_ = be_.alloc(size_t(rows) * V * sizeof(float));
     logits_rows_ = rows;
   }
-  void* const out[1] = {logits_};
   if (mode == Logits::All) {
-    be_.rms_norm_qmm(x_, W.final_norm, T, H, eps, &W.lm_head, 1, a_, out, true);
+    be_.rms_norm(x_, W.final_norm, T, H, eps, a_);
+    be_.qmm(W.lm_head, a_, T, logits_, true);
     be_.to_host(logits, logits_, size_t(T) * V * sizeof(float));
   } else {  // the last token's row only
-    be_.rms_norm_qmm(x_ + size_t(T - 1) * H, W.final_norm, 1, H, eps, &W.lm_head, 1, a_, out, true);
+    be_.rms_norm(x_ + size_t(T - 1) * H, W.final_norm, 1, H, eps, a_);
+    be_.qmm(W.lm_head, a_, 1, logits_, true);
     if (mode == Logits::Last) be_.to_host(logits, logits_, V * sizeof(float));
   }
+}
+
+void Session::reserve(int tokens) {
+  LILY_CHECK(tokens >= 0, "reserve: ", tokens, " tokens");
+  reserve_kv(int(std::min<int64_t>(int64_t(pos_) + tokens, max_context_)));
 }
 
 int32_t* Session::token_buffer() {

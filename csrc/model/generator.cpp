@@ -42,6 +42,7 @@ void Generator::prefill(const int32_t* tokens, int n, const int32_t* history, in
   LILY_CHECK(n >= 1, "the prompt must add at least one token to the session");
   sampler_.add_prompt(history, n_history);  // validates the ids (and, on the device path, marks them seen)
   sampler_.add_prompt(tokens, n);
+  s_.reserve(int(std::min<int64_t>(int64_t(n) + max_tokens_, INT32_MAX)));  // the prompt and the reply, once
   if (!device_) {
     s_.prefill(tokens, n, logits_.data());
   } else {

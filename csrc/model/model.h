@@ -75,6 +75,9 @@ class Session {
 
   Snapshot snapshot() const;
   void restore(const Snapshot& s);
+  // Allocates the KV rows of `tokens` more tokens (up to max_context) at once, so that the caches do not grow, and
+  // copy, while they fill.
+  void reserve(int tokens);
   // Checks that n more tokens fit; throws InputError otherwise.
   void check_room(int n) const;
   // Checks that every id is inside the vocabulary; throws InputError otherwise (before any state changes).

@@ -246,38 +246,6 @@ std::function<void()> prepare(Backend& be, Runner& r, const std::string& op) {
     void* out = r.out("out", size_t(g.T) * g.NV * g.DV, false);
     return [&be, g, y, z, w, out] { be.gdn_norm(g, y, z, w, out); };
   }
-  if (op == "gdn") {  // conv → scan → gated norm, as Backend::gdn (fused where the backend fuses it)
-    gdn_dims();
-    const size_t C = 2 * size_t(g.NK) * g.DK + size_t(g.NV) * g.DV, V = size_t(g.NV) * g.DV;
-    GdnTensors t;
-    t.x = r.act("x");
-    t.conv_w = r.f32("w");
-    t.conv_state = r.act("conv_state");
-    t.b = r.act("b");
-    t.alpha = r.act("alpha");
-    t.A_log = r.f32("A_log");
-    t.dt_bias = r.f32("dt_bias");
-    t.state = r.f32("state");
-    t.z = r.act("z");
-    t.norm_w = r.f32("norm_w");
-    t.conv_out = r.scratch(size_t(g.T) * C * be.act_bytes());
-    t.y = r.scratch(size_t(g.T) * V * be.act_bytes());
-    t.out = r.out("out", size_t(g.T) * V, false);
-    return [&be, g, t] { be.gdn(g, t); };
-  }
-  if (op == "rms_norm_qmm") {  // matrices W0.. W{n-1} reading rms_norm(x)·w
-    const int T = r.i("T"), H = r.i("H"), n = r.i("n");
-    const float eps = r.f("eps");
-    const bool y_f32 = r.flag("y_f32");
-    float* x = r.f32("x");
-    float* w = r.f32("w");
-    std::vector<QMatrix> Ws;
-    std::vector<void*> ys;
-    for (int i = 0; i < n; ++i) Ws.push_back(r.q(cat("W", i), 0));
-    for (int i = 0; i < n; ++i) ys.push_back(r.out(cat("y", i), size_t(T) * Ws[i].N, y_f32));
-    void* a = r.scratch(size_t(T) * H * be.act_bytes());
-    return [&be, x, w, T, H, eps, Ws, n, a, ys, y_f32] { be.rms_norm_qmm(x, w, T, H, eps, Ws.data(), n, a, ys.data(), y_f32); };
-  }
   if (op == "moe" || op == "moe_residual") {
     MoeArgs a{r.i("T"), r.i("H"), r.i("E"), r.i("top_k"), r.i("I"), r.i("IS"), r.flag("norm_topk_prob")};
     MoeWeights w;

@@ -96,17 +96,12 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
         q, kp = qmatrix(rng, "W", 0, d["N"], d["K"], d.get("bits", 4), d.get("group", 64), std=d["K"] ** -0.5)
         x.update(q), p.update(kp)
         x["x"] = _act(rng, (d["T"], d["K"]))
-    elif op in ("qmm_multi", "rms_norm_qmm"):
+    elif op == "qmm_multi":
         for i, n in enumerate(d["Ns"]):
             q, kp = qmatrix(rng, f"W{i}", 0, n, d["K"], d.get("bits", 4), std=d["K"] ** -0.5)
             x.update(q), p.update(kp)
         p["n"] = len(d["Ns"])
-        if op == "qmm_multi":
-            x["x"] = _act(rng, (d["T"], d["K"]))
-        else:  # the fp32 residual stream and the norm weight; H = K
-            p.update(H=d["K"], eps=1e-6)
-            x["x"] = rng.normal(0, 2.0, size=(d["T"], d["K"])).astype(np.float32)
-            x["w"] = (1.0 + rng.normal(0, 0.1, size=d["K"])).astype(np.float32)
+        x["x"] = _act(rng, (d["T"], d["K"]))
     elif op == "attention":
         T, NH, NKV, HD, pos0 = d["T"], d["NH"], d["NKV"], d["HD"], d["pos0"]
         p.update(cache_cap=pos0 + T + d.get("spare", 3), rotary_dim=d.get("rotary_dim", HD // 4),
@@ -132,19 +127,9 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
             x["A_log"] = np.log(rng.uniform(0.05, 1.0, NV)).astype(np.float32)
             x["dt_bias"] = rng.normal(-1.0, 0.5, NV).astype(np.float32)
             x["state"] = rng.normal(0, 0.1, size=(NV, DV, DK)).astype(np.float32)
-        elif op == "gdn_norm":
+        else:
             x["y"], x["z"] = _act(rng, (T, NV * DV)), _act(rng, (T, NV * DV))
             x["w"] = (1.0 + rng.normal(0, 0.1, DV)).astype(np.float32)
-        else:  # gdn: conv → scan → gated norm
-            x["x"] = _act(rng, (T, C))
-            x["w"] = rng.normal(0, 0.5, size=(C, 4)).astype(np.float32)
-            x["conv_state"] = _act(rng, (3, C))
-            x["b"], x["alpha"] = _act(rng, (T, NV)), _act(rng, (T, NV))
-            x["A_log"] = np.log(rng.uniform(0.05, 1.0, NV)).astype(np.float32)
-            x["dt_bias"] = rng.normal(-1.0, 0.5, NV).astype(np.float32)
-            x["state"] = rng.normal(0, 0.1, size=(NV, DV, DK)).astype(np.float32)
-            x["z"] = _act(rng, (T, NV * DV))
-            x["norm_w"] = (1.0 + rng.normal(0, 0.1, DV)).astype(np.float32)
     elif op in ("moe", "moe_residual"):
         T, H, E, I, IS = d["T"], d["H"], d["E"], d["I"], d["IS"]
         p["norm_topk_prob"] = True
@@ -201,7 +186,7 @@ def _traffic(c: Case) -> int:
     qb = lambda n, k, bits=4, g=64: n * k * bits // 8 + n * (k // g) * 4
     if c.op == "qmm":
         return qb(d["N"], d["K"], d.get("bits", 4), d.get("group", 64)) + 2 * d["T"] * (d["K"] + d["N"])
-    if c.op in ("qmm_multi", "rms_norm_qmm"):
+    if c.op == "qmm_multi":
         return sum(qb(n, d["K"]) + 2 * d["T"] * n for n in d["Ns"]) + 2 * d["T"] * d["K"]
     if c.op in ("moe", "moe_residual"):
         k = d["top_k"]
@@ -210,7 +195,7 @@ def _traffic(c: Case) -> int:
         return qb(d["E"], d["H"], gb) + routed + 3 * qb(d["IS"], d["H"], eb) + 4 * d["T"] * d["H"]
     if c.op == "attention":
         return 2 * (d["pos0"] + d["T"]) * d["NKV"] * d["HD"] * 2 + d["T"] * d["NH"] * d["HD"] * 8
-    if c.op in ("gdn_scan", "gdn"):
+    if c.op == "gdn_scan":
         return 2 * d["NV"] * d["DV"] * d["DK"] * 4 + d["T"] * (2 * d["NK"] * d["DK"] + 2 * d["NV"] * d["DV"]) * 2
     if c.op in ("rms_norm", "add_rms_norm"):
         return d["T"] * d["H"] * 10
@@ -224,14 +209,14 @@ def _flops(c: Case) -> int:
     d = c.dims
     if c.op == "qmm":
         return 2 * d["T"] * d["N"] * d["K"]
-    if c.op in ("qmm_multi", "rms_norm_qmm"):
+    if c.op == "qmm_multi":
         return 2 * d["T"] * d["K"] * sum(d["Ns"])
     if c.op in ("moe", "moe_residual"):
         return 2 * d["T"] * (d["E"] * d["H"] + 3 * d["top_k"] * d["I"] * d["H"] + 3 * d["IS"] * d["H"])
     if c.op == "attention":
         keys = d["T"] * d["pos0"] + d["T"] * (d["T"] + 1) // 2
         return 4 * d["NH"] * d["HD"] * keys
-    if c.op in ("gdn_scan", "gdn"):
+    if c.op == "gdn_scan":
         return 7 * d["T"] * d["NV"] * d["DV"] * d["DK"]
     return 0
 
@@ -263,7 +248,6 @@ CASES = [
     Case("qmm", dict(T=1, N=70, K=1024, bits=8), tags=("edge",)),
     Case("qmm_multi", dict(T=1, K=1024, Ns=(32, 8, 4)), tags=("edge",)),
     Case("qmm_multi", dict(T=1, K=1024, Ns=(30, 8, 2)), tags=("edge",)),  # rows not in whole units: qmv_kernel
-    Case("rms_norm_qmm", dict(T=1, K=1024, Ns=(40, 8)), tags=("edge",)),
     # the GEMV at every token count it takes (1 to 8 rows), 4- and 8-bit
     *[Case("qmm", dict(T=t, N=72, K=256, bits=b), tags=("edge",)) for b in (4, 8) for t in range(2, 9)],
     # the GDN and attention input projections in one launch
@@ -271,13 +255,6 @@ CASES = [
     Case("qmm_multi", dict(T=1, K=2048, Ns=(8192, 512, 512)), tags=("model",)),
     Case("qmm_multi", dict(T=3, K=128, Ns=(200, 64, 4, 4)), tags=("edge",)),
     Case("qmm_multi", dict(T=40, K=256, Ns=(96, 64, 8)), tags=("edge",)),
-    # the norm applied by the projections (decode: in their prologue)
-    Case("rms_norm_qmm", dict(T=1, K=2048, Ns=(8192, 4096, 32, 32)), tags=("model",)),
-    Case("rms_norm_qmm", dict(T=1, K=2048, Ns=(8192, 512, 512)), tags=("model",)),
-    Case("rms_norm_qmm", dict(T=1, K=2048, Ns=(4096,), y_f32=True), tags=("model",)),
-    Case("rms_norm_qmm", dict(T=5, K=2048, Ns=(512, 32)), tags=("model",)),
-    Case("rms_norm_qmm", dict(T=1, K=192, Ns=(200, 64, 8), bits=8), tags=("edge",)),
-    Case("rms_norm_qmm", dict(T=40, K=128, Ns=(72,), y_f32=True), tags=("edge",)),
     # prefill GEMM
     Case("qmm", dict(T=512, N=8192, K=2048), tags=("model",)),
     Case("qmm", dict(T=512, N=2048, K=4096), tags=("model",)),
@@ -320,13 +297,6 @@ CASES = [
     *[Case("gdn_scan", dict(T=t, **_gdn_real), tags=("model",)) for t in (63, 65, 130)],
     Case("gdn_scan", dict(T=40, NK=4, NV=8, DK=32, DV=64), tags=("edge",)),
     Case("gdn_scan", dict(T=200, NK=2, NV=2, DK=64, DV=32), tags=("edge",)),
-    # the whole GDN core in one call (Backend::gdn: fused for one token where the backend fuses it)
-    Case("gdn", dict(T=1, **_gdn_real), tags=("model",)),
-    Case("gdn", dict(T=3, **_gdn_real), tags=("model",)),
-    Case("gdn", dict(T=1, NK=2, NV=4, DK=32, DV=32), tags=("edge",)),
-    Case("gdn", dict(T=1, NK=4, NV=8, DK=64, DV=64), tags=("edge",)),
-    Case("gdn", dict(T=1, NK=2, NV=2, DK=64, DV=40), tags=("edge",)),  # DV not a multiple of 32: not fused
-    Case("gdn", dict(T=70, NK=2, NV=4, DK=32, DV=64), tags=("edge",)),
     Case("gdn_norm", dict(T=1, **_gdn_real), tags=("model",)),
     Case("gdn_norm", dict(T=33, NK=2, NV=4, DK=32, DV=64), tags=("edge",)),
     # MoE: decode, prefill, odd geometries, and routing skewed onto the same experts (1, 2, 127 rows each)

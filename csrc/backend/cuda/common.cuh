@@ -33,9 +33,6 @@ enum Slot : int {
   kNumSlots
 };
 
-// Arrival counters (Ctx::counters), each op its own range.
-enum Counter : int { kCounterRouter = 0, kCounterGdn = 1 };
-
 // The launch context: one stream, the device's properties, the ablation switches, and scratch buffers that grow on
 // demand. Growth happens only outside graph capture (the backend runs every shape once before capturing it).
 struct Ctx {
@@ -43,20 +40,18 @@ struct Ctx {
   int num_sms = 132;
   size_t smem_optin = 227 * 1024;  // max dynamic shared memory per block
   Optimisations opts;
+  bool pdl = false;  // launch with programmatic stream serialization (the replayed decode step, switch pdl)
   void* scratch(int slot, size_t bytes);
-  // Device words that start at 0 and that kernels leave at 0 (the arrival counters of "last block" patterns).
-  uint32_t* counters(int n);
 
   void* buf[kNumSlots] = {};
   size_t cap[kNumSlots] = {};
-  uint32_t* counter_buf = nullptr;
-  int counter_cap = 0;
   bool capturing = false;
 };
 
 // ---- programmatic dependent launch (PDL, sm_90) ----------------------------------------------------------------
-// With the `pdl` switch on, every kernel is launched with programmatic stream serialization: it may start while its
-// predecessor in the stream is still running. Every kernel therefore follows one rule: before pdl_wait() it only
+// In the replayed decode step with the `pdl` switch on (Ctx::pdl), every kernel is launched with programmatic stream
+// serialization: it may start while its predecessor in the stream is still running. (Prefill runs without: there the
+// early-launched blocks of the next kernel cost the multi-wave GEMMs 6 % at 4K.) Every kernel therefore follows one rule: before pdl_wait() it only
 // reads memory no kernel writes (weights), and it writes nothing. pdl_wait() returns once the predecessor grid has
 // completed and its writes are visible; without PDL both calls are no-ops. pdl_trigger() lets the successor launch
 // (once every block of this grid has called it or exited); kernels call it as early as possible.
@@ -75,7 +70,7 @@ void launch(const Ctx& ctx, void (*kernel)(Params...), dim3 grid, dim3 block, si
   cfg.dynamicSmemBytes = smem;
   cfg.stream = ctx.stream;
   cfg.attrs = attr;
-  cfg.numAttrs = ctx.opts.on(Opt::pdl) ? 1 : 0;
+  cfg.numAttrs = ctx.pdl ? 1 : 0;
   LILY_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 

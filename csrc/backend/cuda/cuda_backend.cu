@@ -22,19 +22,6 @@ void* Ctx::scratch(int slot, size_t bytes) {
   return buf[slot];
 }
 
-uint32_t* Ctx::counters(int n) {
-  if (n > counter_cap) {
-    LILY_ASSERT(!capturing, "the counter buffer must grow to ", n, " words during graph capture");
-    LILY_CUDA_CHECK(cudaStreamSynchronize(stream));
-    if (counter_buf) LILY_CUDA_CHECK(cudaFree(counter_buf));
-    counter_buf = nullptr;
-    LILY_CUDA_CHECK(cudaMalloc(&counter_buf, size_t(n) * sizeof(uint32_t)));
-    LILY_CUDA_CHECK(cudaMemsetAsync(counter_buf, 0, size_t(n) * sizeof(uint32_t), stream));
-    counter_cap = n;
-  }
-  return counter_buf;
-}
-
 namespace {
 
 class CudaBackend final : public Backend {
@@ -61,7 +48,6 @@ class CudaBackend final : public Backend {
     for (void* p : mem_.live()) cudaFree(p);
     for (int s = 0; s < kNumSlots; ++s)
       if (ctx_.buf[s]) cudaFree(ctx_.buf[s]);
-    if (ctx_.counter_buf) cudaFree(ctx_.counter_buf);
     cudaStreamDestroy(ctx_.stream);
   }
 
@@ -133,15 +119,6 @@ class CudaBackend final : public Backend {
     else
       Backend::qmm_multi(W, n, x, T, y);
   }
-  void rms_norm_qmm(const float* x, const float* w, int T, int H, float eps, const QMatrix* W, int n, void* a,
-                    void* const* y, bool y_f32) override {
-    bool fused = T == 1 && opts_.on(Opt::norm_prologue) && W[0].K == H;
-    for (int i = 1; i < n; ++i) fused = fused && W[i].K == W[0].K && W[i].bits == W[0].bits && W[i].group == W[0].group;
-    if (fused)
-      cuda::qmv_norm(ctx_, W, n, x, w, eps, y, y_f32);
-    else
-      Backend::rms_norm_qmm(x, w, T, H, eps, W, n, a, y, y_f32);
-  }
   void moe_residual(float* x, const void* d, const float* w, float eps, const MoeArgs& a, const MoeWeights& mw,
                     void* m, void* out) override {
     cuda::moe_residual(ctx_, x, cb(d), w, eps, a, mw, b(m), b(out));
@@ -160,9 +137,6 @@ class CudaBackend final : public Backend {
   void gdn_norm(const GdnArgs& a, const void* y, const void* z, const float* w, void* out) override {
     cuda::gdn_norm(ctx_, a, cb(y), cb(z), w, b(out));
   }
-  void gdn(const GdnArgs& a, const GdnTensors& t) override {
-    if (!cuda::gdn_fused(ctx_, a, t)) Backend::gdn(a, t);
-  }
   void moe(const MoeArgs& a, const MoeWeights& w, const void* m, void* out) override {
     cuda::moe(ctx_, a, w, cb(m), b(out));
   }
@@ -175,6 +149,11 @@ class CudaBackend final : public Backend {
   // A unit runs eagerly the first time (so every scratch buffer reaches its size), is captured into a CUDA graph
   // the second time, and is replayed from then on.
   void replay(uint64_t key, const std::function<void()>& record) override {
+    struct Pdl {  // PDL launches while the decode step is recorded or runs eagerly
+      Ctx& c;
+      explicit Pdl(Ctx& ctx) : c(ctx) { c.pdl = c.opts.on(Opt::pdl); }
+      ~Pdl() { c.pdl = false; }
+    } pdl(ctx_);
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       graphs_[key] = nullptr;
@@ -217,7 +196,7 @@ class CudaBackend final : public Backend {
   static bf16* b(void* p) { return static_cast<bf16*>(p); }
   static const bf16* cb(const void* p) { return static_cast<const bf16*>(p); }
   size_t scratch_bytes() const {
-    size_t n = size_t(ctx_.counter_cap) * sizeof(uint32_t);
+    size_t n = 0;
     for (int s = 0; s < kNumSlots; ++s) n += ctx_.cap[s];
     return n;
   }

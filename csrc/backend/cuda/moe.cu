@@ -53,7 +53,6 @@ namespace {
 constexpr int kMoeDecodeMaxT = kQmvMaxT;  // T at most this: the fused decode kernels
 constexpr int kMaxExperts = 256;          // routing keeps E/32 ≤ 8 probabilities per lane
 constexpr int kRouteWarps = 4;            // tokens per routing block
-constexpr int kRouterWarps = 4;           // fused router: rows (experts) per block
 constexpr int kSortThreads = 1024;
 constexpr int kCombineThreads = 128;
 constexpr int kSwigluThreads = 256;
@@ -100,8 +99,7 @@ struct DecodeArgs {
   const float* gamma;
   float* h;  // [T, k+1, hs]
   bf16* out;              // [T, H], unless resid is set
-  float* resid;           // if set: resid += pending + MoE(m) (fp32 [T, H]) instead of writing out
-  const bf16* pending;    // [T, H] or null: the mixer output not yet added to resid
+  float* resid;           // if set: resid += MoE(m) (fp32 [T, H]) instead of writing out
   int T, H, k, I, IS, hs;
   int lpr_gu, rb_gu, tiles_gu, rb_down;
 };
@@ -266,107 +264,6 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   }
   dot = warp_sum(dot);
   if (lane == 0) r.gamma[t] = 1.0f / (1.0f + expf(-dot));
-}
-
-// Everything the fused decode router reads (T = 1).
-struct RouterArgs {
-  QStack router, seg;  // [E, H] and [1, H], both BITS wide
-  const bf16* m;       // [H] (without the norm prologue)
-  // The norm prologue (switch norm_prologue): m = rms_norm(x + d)·nw computed by every block; block 0 writes it to
-  // m_out (bf16) for the expert kernels.
-  const float* x;      // [H] the residual stream
-  const bf16* d;       // [H] the mixer output
-  const float* nw;     // [H] post-attention norm weight
-  bf16* m_out;         // [H]
-  float eps;
-  float* logits;       // scratch [E + 1]: router logits, then the shared-expert gate's
-  uint32_t* arrived;   // one counter, 0 between launches
-  Route r;
-  int E, k, H;
-  bool norm_topk;
-};
-
-// Fused decode routing (T = 1), switch fused_router. Warp w of block b computes row e = b·kRouterWarps + w of
-// [W_router; w_seg] (E + 1 rows): its codes, scales and biases are loaded before the PDL wait, m after it; the dot
-// uses chunk_dot (the identity of moe_gate_up_kernel). The last block to arrive (an arrival counter, reset by that
-// block) reads the E + 1 logits back from L2 and does what moe_route_kernel does: route_warp, then γ = σ(ℓ_seg).
-// Same values as the unfused path (qmv router logits + moe_route_kernel) up to summation order.
-template <int BITS, bool NORM>
-__global__ void __launch_bounds__(kRouterWarps * 32) moe_router_kernel(const __grid_constant__ RouterArgs a) {
-  constexpr int CODES = 128 / BITS, CPL = kMaxHidden / CODES / 32;  // codes per 16 B; chunks per lane, at most
-  __shared__ bool last;
-  __shared__ __align__(16) float s_m[NORM ? kMaxHidden : 1];  // m = rms_norm(x + d)·nw (norm prologue)
-  const int lane = threadIdx.x & 31, e = blockIdx.x * kRouterWarps + (threadIdx.x >> 5);
-  const bool live = e <= a.E;
-  const QStack& Q = e < a.E ? a.router : a.seg;
-  const size_t row = e < a.E ? size_t(e) : 0;
-  const int chunks = a.H / CODES, wpr = a.H * BITS / 32, gpr = a.H / Q.group;
-  uint4 q[CPL];
-  uint16_t sv[CPL], bv[CPL];
-  pdl_trigger();
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
-    const int c = min(lane + 32 * i, chunks - 1);
-    if (live) {
-      q[i] = load16(Q.w + row * wpr + c * 4);
-      sv[i] = Q.s[row * gpr + c * CODES / Q.group];
-      bv[i] = Q.b[row * gpr + c * CODES / Q.group];
-    }
-  }
-  pdl_wait();  // m (or x and d) come from the previous kernels
-  if constexpr (NORM) {  // m = (x + d) / sqrt(mean((x + d)²) + eps) · nw, every block for itself
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < a.H; i += blockDim.x) {
-      const float v = a.x[i] + to_f(a.d[i]);
-      s_m[i] = v;
-      ss += v * v;
-    }
-    const float rs = 1.0f / sqrtf(block_sum(ss) / float(a.H) + a.eps);
-    for (int i = threadIdx.x; i < a.H; i += blockDim.x) {
-      s_m[i] *= rs * a.nw[i];
-      if (blockIdx.x == 0) a.m_out[i] = __float2bfloat16(s_m[i]);
-    }
-    __syncthreads();
-  }
-  if (live) {
-    float dot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < CPL; ++i) {
-      const int c = lane + 32 * i;
-      if (c < chunks) {
-        float x[CODES], xs = 0.0f;
-        if constexpr (NORM) {
-#pragma unroll
-          for (int v = 0; v < CODES; ++v) x[v] = s_m[c * CODES + v];
-        } else {
-#pragma unroll
-          for (int v = 0; v < CODES / 8; ++v)
-            bf16x8_to_f(*reinterpret_cast<const uint4*>(a.m + c * CODES + 8 * v), &x[8 * v]);
-        }
-#pragma unroll
-        for (int j = 0; j < CODES; ++j) xs += x[j];
-        dot += chunk_dot<BITS>(q[i], x, xs, bf16_bits_to_f(sv[i]), bf16_bits_to_f(bv[i]));
-      }
-    }
-    dot = warp_sum(dot);
-    if (lane == 0) {
-      a.logits[e] = dot;  // ℓ_e (e < E) or the shared-expert gate's logit (e = E)
-      __threadfence();
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(a.arrived, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!last || threadIdx.x >= 32) return;
-  __threadfence();
-  float p[kMaxExperts / 32];
-#pragma unroll
-  for (int i = 0; i < kMaxExperts / 32; ++i) p[i] = lane + 32 * i < a.E ? __ldcg(a.logits + lane + 32 * i) : -INFINITY;
-  route_warp(p, a.E, a.k, a.norm_topk, a.r.ids, a.r.wts);
-  if (lane == 0) {
-    a.r.gamma[0] = 1.0f / (1.0f + expf(-__ldcg(a.logits + a.E)));  // γ = σ(m·w_seg)
-    *a.arrived = 0;  // for the next launch
-  }
 }
 
 // ---- kernels: prefill ---------------------------------------------------------------------------------------------
@@ -660,7 +557,7 @@ __global__ void __launch_bounds__(kDownMaxWarps * 32) moe_down_kernel(const __gr
     for (int jj = 0; jj <= a.k; ++jj) acc += part[jj * rb + r];
     const size_t o = size_t(t) * a.H + n;
     if (a.resid)
-      a.resid[o] += (a.pending ? to_f(a.pending[o]) : 0.0f) + acc;  // x ← x + d + MoE(m)
+      a.resid[o] += acc;  // x ← x + MoE(m)
     else
       a.out[o] = __float2bfloat16(acc);
   }
@@ -674,14 +571,6 @@ bool chunks_fit(const QMatrix& q, int bits, int max_chunks) {
   return q.bits == bits && q.K % codes == 0 && q.K / codes <= max_chunks && q.group % codes == 0 && aligned(q.w, 16);
 }
 
-// Whether the fused router takes these shapes: router and shared-expert gate rows of H codes in 16-byte chunks of
-// one group each, at one bit width.
-bool router_fits(const MoeArgs& a, const MoeWeights& w) {
-  const int bits = w.router.bits;
-  return w.shared_expert_gate.bits == bits && chunks_fit(w.router, bits, kMaxHidden * bits / 128) &&
-         chunks_fit(w.shared_expert_gate, bits, kMaxHidden * bits / 128) && a.H % 8 == 0;
-}
-
 bool decode_fits(const MoeArgs& a, const MoeWeights& w) {
   const int gb = w.gate.bits, db = w.down.bits;
   const int gu_max = kMaxHidden * gb / 128;  // chunks of a row of H the registers hold (CPL · 32)
@@ -691,9 +580,9 @@ bool decode_fits(const MoeArgs& a, const MoeWeights& w) {
 }
 
 void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Route& r, bf16* out,
-                float* resid, const bf16* pending) {
+                float* resid) {
   DecodeArgs d{};
-  d.resid = resid, d.pending = pending;
+  d.resid = resid;
   d.gate = stack_of(w.gate), d.up = stack_of(w.up), d.down = stack_of(w.down);
   d.sgate = stack_of(w.shared_gate), d.sup = stack_of(w.shared_up), d.sdown = stack_of(w.shared_down);
   d.m = m, d.ids = r.ids, d.wts = r.wts, d.gamma = r.gamma, d.out = out;
@@ -766,14 +655,6 @@ void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m,
 
 namespace {
 
-// The norm prologue's inputs: m = rms_norm(x + d)·nw, and x ← x + d + MoE(m) at the end.
-struct NormIn {
-  float* x;
-  const bf16* d;
-  const float* nw;
-  float eps;
-};
-
 void check_moe(const MoeArgs& a, const MoeWeights& w, const bf16* m, const bf16* out) {
   LILY_CHECK(a.T >= 0, "moe: T = ", a.T, " is negative");
   LILY_CHECK(a.E >= 1 && a.E <= kMaxExperts, "moe: E = ", a.E, " must be in [1, ", kMaxExperts, "]");
@@ -788,43 +669,23 @@ void check_moe(const MoeArgs& a, const MoeWeights& w, const bf16* m, const bf16*
              "moe: T·top_k·max(H, I, IS) must stay below 2^31");
 }
 
-// The MoE block on m (or, with `norm`, on rms_norm(x + d)·nw computed in the router's prologue and written to m);
-// the result goes to out, or is added to resid (fp32; with `norm`, together with d).
-void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, bf16* m, bf16* out, float* resid, const NormIn* norm) {
-  float* logits = static_cast<float*>(ctx.scratch(kSlotMoeLogits, (size_t(a.T) * a.E + 1) * sizeof(float)));
+// The MoE block on m; the result goes to out, or is added to resid (fp32).
+void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out, float* resid) {
+  float* logits = static_cast<float*>(ctx.scratch(kSlotMoeLogits, size_t(a.T) * a.E * sizeof(float)));
   const size_t tk = align256(size_t(a.T) * a.top_k * 4);
   char* rb = static_cast<char*>(ctx.scratch(kSlotMoeRoute, 2 * tk + size_t(a.T) * sizeof(float)));
   const Route r{reinterpret_cast<int32_t*>(rb), reinterpret_cast<float*>(rb + tk),
                 reinterpret_cast<float*>(rb + 2 * tk)};
 
-  const bool decode = a.T <= kMoeDecodeMaxT && decode_fits(a, w);
-  if (decode && a.T == 1 && ctx.opts.on(Opt::fused_router) && router_fits(a, w)) {
-    RouterArgs ra{};
-    ra.router = stack_of(w.router), ra.seg = stack_of(w.shared_expert_gate), ra.m = m;
-    if (norm) ra.x = norm->x, ra.d = norm->d, ra.nw = norm->nw, ra.m_out = m, ra.eps = norm->eps;
-    ra.logits = logits, ra.arrived = ctx.counters(kCounterRouter + 1) + kCounterRouter, ra.r = r;
-    ra.E = a.E, ra.k = a.top_k, ra.H = a.H, ra.norm_topk = a.norm_topk_prob;
-    const unsigned grid = unsigned(cdiv(a.E + 1, kRouterWarps));
-    dispatch_bits(w.router.bits, [&](auto bits) {
-      constexpr int BITS = decltype(bits)::value;
-      if (norm)
-        launch(ctx, moe_router_kernel<BITS, true>, grid, kRouterWarps * 32, 0, ra);
-      else
-        launch(ctx, moe_router_kernel<BITS, false>, grid, kRouterWarps * 32, 0, ra);
-    });
-    check_launch("moe_router_kernel");
-  } else {
-    LILY_ASSERT(!norm, "moe: the norm prologue needs the fused router");
-    qmm(ctx, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
-    dispatch_bits(w.shared_expert_gate.bits, [&](auto bits) {
-      launch(ctx, moe_route_kernel<decltype(bits)::value>, unsigned(cdiv(a.T, kRouteWarps)), kRouteWarps * 32, 0,
-             logits, m, stack_of(w.shared_expert_gate), a.T, a.E, a.top_k, a.H, a.norm_topk_prob, r);
-    });
-    check_launch("moe_route_kernel");
-  }
+  qmm(ctx, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
+  dispatch_bits(w.shared_expert_gate.bits, [&](auto bits) {
+    launch(ctx, moe_route_kernel<decltype(bits)::value>, unsigned(cdiv(a.T, kRouteWarps)), kRouteWarps * 32, 0,
+           logits, m, stack_of(w.shared_expert_gate), a.T, a.E, a.top_k, a.H, a.norm_topk_prob, r);
+  });
+  check_launch("moe_route_kernel");
 
-  if (decode)
-    moe_decode(ctx, a, w, m, r, out, resid, norm ? norm->d : nullptr);
+  if (a.T <= kMoeDecodeMaxT && decode_fits(a, w))
+    moe_decode(ctx, a, w, m, r, out, resid);
   else
     moe_prefill(ctx, a, w, m, r, out, resid);
 }
@@ -834,7 +695,7 @@ void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, bf16* m, bf16* out
 void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out) {
   check_moe(a, w, m, out);
   if (a.T == 0) return;
-  run_moe(ctx, a, w, const_cast<bf16*>(m), out, nullptr, nullptr);
+  run_moe(ctx, a, w, m, out, nullptr);
 }
 
 void moe_residual(Ctx& ctx, float* x, const bf16* d, const float* nw, float eps, const MoeArgs& a,
@@ -842,14 +703,8 @@ void moe_residual(Ctx& ctx, float* x, const bf16* d, const float* nw, float eps,
   check_moe(a, w, m, out);
   if (a.T == 0) return;
   LILY_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "moe_residual: x must be 16-byte aligned");
-  if (a.T == 1 && ctx.opts.on(Opt::norm_prologue) && ctx.opts.on(Opt::fused_router) && decode_fits(a, w) &&
-      router_fits(a, w) && a.H <= kMaxHidden) {
-    const NormIn norm{x, d, nw, eps};
-    run_moe(ctx, a, w, m, out, x, &norm);
-    return;
-  }
   add_rms_norm(ctx, x, d, nw, a.T, a.H, eps, m);  // x ← x + d;  m = rms_norm(x)·nw
-  run_moe(ctx, a, w, m, out, x, nullptr);           // x ← x + MoE(m)
+  run_moe(ctx, a, w, m, out, x);                    // x ← x + MoE(m), added by the last kernel
 }
 
 }  // namespace lily::cuda

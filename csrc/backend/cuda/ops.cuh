@@ -15,9 +15,6 @@ void add_rms_norm(Ctx& ctx, float* x, const bf16* d, const float* w, int T, int 
 // matrices of equal K, bits and group size that read the same x, in one launch.
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
 void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32);
-// qmv_multi of one token whose x = rms_norm(x_f32)·w is computed in the prologue (switch norm_prologue).
-void qmv_norm(Ctx& ctx, const QMatrix* Ws, int n, const float* x, const float* w, float eps, void* const* ys,
-              bool y_f32);
 // qmm.cu: any T; T ≤ kQmvMaxT goes to qmv, larger T to the tensor-core GEMM that dequantises one weight tile at a
 // time into shared memory.
 void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
@@ -39,15 +36,11 @@ void gdn_conv(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* w, bf16* c
 void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf16* alpha, const float* A_log,
               const float* dt_bias, float* state, bf16* y);
 void gdn_norm(Ctx& ctx, const GdnArgs& a, const bf16* y, const bf16* z, const float* w, bf16* out);
-// Backend::gdn for one token in one kernel (switch gdn_decode_fused); false when it does not apply (T ≠ 1, shapes,
-// switch off): then the caller runs gdn_conv, gdn_scan and gdn_norm.
-bool gdn_fused(Ctx& ctx, const GdnArgs& a, const GdnTensors& t);
 
 // moe.cu
 void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out);
-// Backend::moe_residual: x += d; m = rms_norm(x)·nw; x += moe(m), the MoE result added by the last kernel (down or
-// combine) in fp32. For one token with the switches norm_prologue and fused_router, the router computes m itself from
-// x and d and the down kernel adds d too (no add_rms_norm kernel).
+// Backend::moe_residual: x += d; m = rms_norm(x)·nw; x += moe(m), the MoE result added in fp32 by the last kernel
+// (down or combine) instead of going through a bf16 buffer and another add.
 void moe_residual(Ctx& ctx, float* x, const bf16* d, const float* nw, float eps, const MoeArgs& a,
                   const MoeWeights& w, bf16* m, bf16* out);
 

@@ -59,10 +59,6 @@ struct QmvParams {
   int split_log;       // log2 of the warps sharing one row set (K split)
   int rows;            // rows of all matrices together
   bool y_f32;
-  // The norm prologue (NORM, T = 1): x = rms_norm(xf)·nw, from the fp32 residual stream instead of a bf16 x.
-  const float* xf;     // [K]
-  const float* nw;     // [K]
-  float eps;
 };
 
 // float4 slot of element e (e % 4 == 0) in a swizzled fp32 x row: rows of 32 floats, slot (e/4 mod 8) XOR (row mod 8).
@@ -71,34 +67,13 @@ __device__ __forceinline__ int xslot(int e) {
   return row * 8 + (((e >> 2) ^ row) & 7);
 }
 
-// Stages x for the block: swizzled fp32 (xslot) and Σx per 16-byte chunk of codes; bf16 x, or with NORM (T = 1)
-// x = rms_norm(xf)·nw from the fp32 residual stream. Every thread of the block calls it (a block-wide sum).
-template <int BITS, int T, bool NORM>
+// Stages x for the block: swizzled fp32 (xslot) and Σx per 16-byte chunk of codes.
+template <int BITS, int T>
 __device__ __forceinline__ void stage_x(const QmvParams& p, float4* xs, float* xsum) {
   constexpr int kEpc = 128 / BITS;
   const int K4 = p.K / 4, C = p.chunks;
-  if constexpr (NORM) {  // x = xf / sqrt(mean(xf²) + eps) · nw, staged like the bf16 x below
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < K4; i += blockDim.x) {
-      const float4 v = reinterpret_cast<const float4*>(p.xf)[i];
-      ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    const float rs = 1.0f / sqrtf(block_sum(ss) / float(p.K) + p.eps);
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int v = 0; v < kEpc / 4; ++v) {
-        const int e = c * kEpc + 4 * v;
-        const float4 xv = *reinterpret_cast<const float4*>(p.xf + e), wv = *reinterpret_cast<const float4*>(p.nw + e);
-        const float4 f = make_float4(xv.x * rs * wv.x, xv.y * rs * wv.y, xv.z * rs * wv.z, xv.w * rs * wv.w);
-        xs[xslot(e)] = f;
-        sum += (f.x + f.y) + (f.z + f.w);
-      }
-      xsum[c] = sum;
-    }
-  }
   // Stage x as swizzled fp32 and Σx per chunk; one thread per (t, chunk).
-  for (int i = threadIdx.x; i < (NORM ? 0 : T * C); i += blockDim.x) {
+  for (int i = threadIdx.x; i < T * C; i += blockDim.x) {
     const int t = i / C, c = i - t * C;
     const bf16* src = p.x + size_t(t) * p.K + c * kEpc;
     float sum = 0.0f;
@@ -118,9 +93,8 @@ __device__ __forceinline__ void stage_x(const QmvParams& p, float4* xs, float* x
   }
 }
 
-template <int BITS, int T, bool NORM>
+template <int BITS, int T>
 __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
-  static_assert(!NORM || T == 1, "the norm prologue serves one token");
   using Q = QCodes<BITS>;
   constexpr int kEpc = 128 / BITS;           // codes per 16-byte chunk
   constexpr int kPW = Q::kPerWord;           // codes per word
@@ -224,7 +198,7 @@ __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
   if (active) load(first);  // the weight stream starts before x is staged (and before the previous kernel is done)
   pdl_wait();
 
-  stage_x<BITS, T, NORM>(p, xs, xsum);
+  stage_x<BITS, T>(p, xs, xsum);
   __syncthreads();
 
   if (active) {
@@ -272,7 +246,7 @@ struct StreamUnit {
   uint16_t s[RPU][CPL], b[RPU][CPL];
 };
 
-template <int BITS, int CPL, bool NORM>
+template <int BITS, int CPL>
 __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_stream_kernel(const QmvParams p) {
   using Q = QCodes<BITS>;
   constexpr int kEpc = 128 / BITS, kPW = Q::kPerWord, RPU = 4 / CPL;
@@ -353,7 +327,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
   pdl_trigger();
   if (u < units) load(u, A);  // the weight stream starts before the previous kernel is done
   pdl_wait();
-  stage_x<BITS, 1, NORM>(p, xs, xsum);
+  stage_x<BITS, 1>(p, xs, xsum);
   __syncthreads();
   while (u < units) {  // two units per trip, so that A and B swap roles without run-time register indexing
     const int u1 = u + warps;
@@ -367,9 +341,9 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
   }
 }
 
-template <int BITS, int T, bool NORM = false>
+template <int BITS, int T>
 void launch_qmv(const Ctx& ctx, const QmvParams& p, int grid, size_t smem) {
-  auto kernel = qmv_kernel<BITS, T, NORM>;
+  auto kernel = qmv_kernel<BITS, T>;
   if (smem + red_bytes(T) > 48 * 1024)  // dynamic + static past the default limit
     LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   launch(ctx, kernel, grid, kWarps * 32, smem, p);
@@ -382,11 +356,7 @@ void launch_t(const Ctx& ctx, const QmvParams& p, int T, int grid, size_t smem, 
 
 }  // namespace
 
-namespace {
-
-// qmv_multi, and with `norm` (T = 1) x = rms_norm(xf)·nw computed in the prologue.
-void run_qmv(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32, const float* xf,
-             const float* nw, float eps) {
+void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
   LILY_CHECK(n >= 1 && n <= kMaxSegs, "qmv: ", n, " matrices in one launch, at most ", kMaxSegs);
   const QMatrix& W = Ws[0];
   for (int i = 0; i < n; ++i) {
@@ -399,9 +369,8 @@ void run_qmv(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* con
     LILY_CHECK(ys[i], "qmv: null y");
   }
   LILY_CHECK(T >= 1 && T <= kQmvMaxT, "qmv: T=", T, " is outside [1, ", kQmvMaxT, "]");
-  LILY_CHECK(xf ? T == 1 && nw : x != nullptr, "qmv: null x, or a norm prologue for T ≠ 1");
-  LILY_CHECK(reinterpret_cast<uintptr_t>(xf ? static_cast<const void*>(xf) : x) % 16 == 0,
-             "qmv: x is not 16-byte aligned");
+  LILY_CHECK(x, "qmv: null x");
+  LILY_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "qmv: x is not 16-byte aligned");
 
   const int epc = 128 / W.bits;
   QmvParams p;
@@ -412,7 +381,6 @@ void run_qmv(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* con
   p.groups = W.K / W.group;
   p.gshift = log2_exact(W.group / epc);
   p.y_f32 = y_f32;
-  p.xf = xf, p.nw = nw, p.eps = eps;
 
   const size_t smem = size_t(T) * W.K * 4 + size_t(T) * p.chunks * 4;
   LILY_CHECK(smem + red_bytes(T) <= ctx.smem_optin, "qmv: staging x for T=", T, ", K=", W.K, " needs ", smem,
@@ -443,47 +411,27 @@ void run_qmv(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* con
                                              cdiv(p.rows / rpu, kStreamWarps)));
     dispatch_bits(W.bits, [&](auto bits) {
       constexpr int BITS = decltype(bits)::value;
-      auto go = [&](auto cpl_c, auto norm_c) {
-        auto kernel = qmv_stream_kernel<BITS, decltype(cpl_c)::value, decltype(norm_c)::value>;
+      auto go = [&](auto cpl_c) {
+        auto kernel = qmv_stream_kernel<BITS, decltype(cpl_c)::value>;
         if (smem > 48 * 1024)
           LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
         launch(ctx, kernel, blocks, kStreamWarps * 32, smem, p);
       };
-      auto with_cpl = [&](auto norm_c) {
-        if (cpl == 1)
-          go(std::integral_constant<int, 1>{}, norm_c);
-        else if (cpl == 2)
-          go(std::integral_constant<int, 2>{}, norm_c);
-        else if constexpr (BITS == 8)
-          go(std::integral_constant<int, 4>{}, norm_c);
-      };
-      if (xf)
-        with_cpl(std::true_type{});
-      else
-        with_cpl(std::false_type{});
+      if (cpl == 1)
+        go(std::integral_constant<int, 1>{});
+      else if (cpl == 2)
+        go(std::integral_constant<int, 2>{});
+      else if constexpr (BITS == 8)
+        go(std::integral_constant<int, 4>{});
     });
     check_launch("qmv_stream");
     return;
   }
 
   dispatch_bits(W.bits, [&](auto bits) {
-    if (xf)
-      launch_qmv<decltype(bits)::value, 1, true>(ctx, p, int(grid), smem);
-    else
-      launch_t<decltype(bits)::value>(ctx, p, T, int(grid), smem, std::make_integer_sequence<int, kQmvMaxT>{});
+    launch_t<decltype(bits)::value>(ctx, p, T, int(grid), smem, std::make_integer_sequence<int, kQmvMaxT>{});
   });
   check_launch("qmv");
-}
-
-}  // namespace
-
-void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
-  run_qmv(ctx, Ws, n, x, T, ys, y_f32, nullptr, nullptr, 0.0f);
-}
-
-void qmv_norm(Ctx& ctx, const QMatrix* Ws, int n, const float* x, const float* w, float eps, void* const* ys,
-              bool y_f32) {
-  run_qmv(ctx, Ws, n, nullptr, 1, ys, y_f32, x, w, eps);
 }
 
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) {
