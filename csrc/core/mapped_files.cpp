@@ -27,29 +27,22 @@ struct Slot {
 Slot g_slots[kMaxMappedFiles];
 std::mutex g_mutex;  // registration and removal; never taken by the handler
 
-constexpr char kUnknown[] =
-    "lily: fatal: bus error (SIGBUS) outside Lily's mapped weight files; a memory-mapped file was truncated or "
-    "changed\n";
-
 #ifdef LILY_HAS_SIGBUS_HANDLER
 struct sigaction g_previous;
 
+// A SIGBUS outside the registered mappings is not Lily's: it passes to the previous disposition unremarked.
 void on_sigbus(int sig, siginfo_t* info, void*) {
   const uintptr_t at = uintptr_t(info->si_addr);
-  const char* message = kUnknown;
-  size_t length = sizeof kUnknown - 1;
   for (const Slot& s : g_slots) {
     if (s.used.load(std::memory_order_acquire) && at >= s.begin.load(std::memory_order_relaxed) &&
         at < s.end.load(std::memory_order_relaxed)) {
-      message = s.message;
-      length = s.length;
+      for (size_t done = 0; done < s.length;) {
+        const ssize_t n = write(STDERR_FILENO, s.message + done, s.length - done);
+        if (n <= 0) break;
+        done += size_t(n);
+      }
       break;
     }
-  }
-  for (size_t done = 0; done < length;) {
-    const ssize_t n = write(STDERR_FILENO, message + done, length - done);
-    if (n <= 0) break;
-    done += size_t(n);
   }
   sigaction(SIGBUS, &g_previous, nullptr);
   // A fault re-executes the faulting read on return and so reaches the previous disposition with its own siginfo;

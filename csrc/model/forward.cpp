@@ -131,13 +131,16 @@ Session::Hold::Hold(const Session& s) : s_(s) {
         "this session is in use by another thread: a session holds one conversation and is never shared "
         "(give each thread its own session, or serialise the calls with a lock)");
   ++s.holds_;
+  backend_ = std::unique_lock<std::recursive_mutex>(s.model_.backend_lock());
 }
 
 Session::Hold::~Hold() {
+  backend_.unlock();
   if (--s_.holds_ == 0) s_.holder_.store(std::thread::id(), std::memory_order_release);
 }
 
 Session::~Session() {
+  std::lock_guard<std::recursive_mutex> lock(model_.backend_lock());  // another session may be computing
   for (auto* group : {&k_cache_, &v_cache_, &conv_, &work_})
     for (void* p : *group) be_.release(p);
   be_.release(logits_);

@@ -38,6 +38,7 @@ Generator::Generator(Session& session, const SamplingParams& params, std::vector
 }
 
 Generator::~Generator() {
+  std::lock_guard<std::recursive_mutex> lock(s_.model().backend_lock());  // another session may be computing
   for (void* p : owned_) be_.release(p);
 }
 
@@ -46,6 +47,10 @@ void Generator::check_epoch(const char* call) const {
     throw SessionConflict(cat("Generator.", call, "(): the session was changed since this generation's last step "
                               "(a prefill, reset or restore, or another generation on the same session); this "
                               "generation cannot continue: start a new one"));
+  if (device_ && ready_ && s_.model().device_loop_owner() != serial_)
+    throw SessionConflict(cat("Generator.", call, "(): another generation on this model ran its device loop since "
+                              "this generation's last step, over the backend's in-flight results; this generation "
+                              "cannot continue: start a new one"));
 }
 
 void Generator::prefill(const int32_t* tokens, int n, const int32_t* history, int n_history) {
@@ -72,6 +77,7 @@ void Generator::prefill(const int32_t* tokens, int n, const int32_t* history, in
   }
   ready_ = true;
   epoch_ = s_.epoch();
+  if (device_) s_.model().device_loop_owner() = serial_;
 }
 
 GenStep Generator::next() {

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -27,7 +28,17 @@ class Model {
   // The identity of the weights (weights.h, fingerprint): snapshots carry it, restore requires it.
   const std::string& fingerprint() const { return fingerprint_; }
 
+  // One backend serves every session of the model, and a backend is one device queue with shared scratch memory:
+  // each call that uses it (Session::Hold) holds this lock, so calls on different sessions from different threads
+  // run one after the other. Recursive: a Generator's call nests its Session's.
+  std::recursive_mutex& backend_lock() const { return backend_lock_; }
+  // The device-loop generation (Generator serial) that last used the backend's result slots (Backend::fetch_result):
+  // another one's in-flight results are overwritten by it.
+  std::atomic<uint64_t>& device_loop_owner() const { return device_loop_owner_; }
+
  private:
+  mutable std::recursive_mutex backend_lock_;
+  mutable std::atomic<uint64_t> device_loop_owner_{0};
   Config cfg_;
   std::unique_ptr<Backend> be_;
   std::string fingerprint_;
@@ -71,6 +82,7 @@ class Session {
 
    private:
     const Session& s_;
+    std::unique_lock<std::recursive_mutex> backend_;  // the model's backend_lock, taken after the session
   };
 
   // max_context: the most tokens this session may hold (≤ max_position_embeddings);
@@ -87,6 +99,7 @@ class Session {
   int max_context() const { return max_context_; }
   int prefill_chunk() const { return chunk_; }
   int vocab_size() const { return model_.config().vocab_size; }
+  const Model& model() const { return model_; }
   Backend& backend() const { return be_; }
   // Tokens this session has run through the model since it was made (prefill and decode).
   int64_t tokens_processed() const { return processed_; }

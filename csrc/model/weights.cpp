@@ -192,6 +192,7 @@ class Hash128 {
     bytes(&n, sizeof n);  // length first: ("ab", "c") and ("a", "bc") differ
     bytes(s.data(), s.size());
   }
+  uint64_t value() const { return mix(a_); }
   std::string hex() const {
     static const char digits[] = "0123456789abcdef";
     std::string out;
@@ -237,7 +238,7 @@ std::string fingerprint(const Config& c, const TensorMap& tensors) {
     }
     Hash128 pick;  // the middle window's offset: deterministic, different for every tensor
     pick.text(*name);
-    const size_t middle = W + std::stoull(pick.hex().substr(0, 15), nullptr, 16) % (t.nbytes - 3 * W + 1);
+    const size_t middle = W + pick.value() % (t.nbytes - 3 * W + 1);
     h.bytes(p, W);
     h.bytes(p + middle, W);
     h.bytes(p + t.nbytes - W, W);

@@ -30,8 +30,10 @@ class MappedFiles {
   MappedFiles() = default;
   MappedFiles(MappedFiles&& o) noexcept : ids_(std::move(o.ids_)) { o.ids_.clear(); }
   MappedFiles& operator=(MappedFiles&&) = delete;
-  ~MappedFiles() {
+  ~MappedFiles() { clear(); }
+  void clear() {
     for (int id : ids_) remove_mapped_file(id);
+    ids_.clear();
   }
   void add(const void* begin, size_t bytes, const std::string& path) {
     ids_.push_back(add_mapped_file(begin, bytes, path));
@@ -147,6 +149,10 @@ void make_model(PyModel* self, const nb::dict& config, const nb::dict& tensors, 
   {
     nb::gil_scoped_release release;
     model = std::make_unique<Model>(c, map, backend);
+  }
+  if (!model->weights().reads_host) {  // the backend copied every weight: the arrays are no longer read
+    mapped.clear();
+    arrays.clear();
   }
   new (self) PyModel{std::move(arrays), std::move(mapped), std::move(model)};
 }

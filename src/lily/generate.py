@@ -90,7 +90,8 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         ids = session.continuation(messages, tools, **template_kwargs) if messages else None
         if ids is None:
             ids = model.encode_prompt(prompt, tools=tools, **template_kwargs)
-        prompt_ids = as_tokens(ids, "prompt token ids").tolist()
+        tokens = as_tokens(ids, "prompt token ids")
+        prompt_ids = tokens.tolist()
         if not prompt_ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
         cached = session.reuse(prompt_ids)
@@ -100,7 +101,7 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
 
         gen = _core.Generator(session.core, params.to_core(), model.eos_token_ids, params.max_tokens, model.n_valid)
         t0 = time.perf_counter()
-        gen.prefill(as_tokens(new), as_tokens(prompt_ids[:cached]))
+        gen.prefill(tokens[cached:], tokens[:cached])
         session.tokens = list(prompt_ids)
         session.messages, session.pending, session.ended_on_eos = None, None, False
     prompt_tps = 0.0  # set at the first token: the device loop returns from prefill before the prefill is done

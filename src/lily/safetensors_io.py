@@ -19,6 +19,7 @@ import mmap
 import os
 import stat
 import struct
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -64,22 +65,20 @@ class MappedFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.file = open_regular(self.path)
-        try:
-            self.status = self._status()
-            size = self.status[0]
-            if size < 8:
-                raise CheckpointError(f"{self.path}: not a safetensors file: {size} bytes, shorter than the 8-byte "
-                                      "header length")
-            self._map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ)
-        except BaseException:
-            self.file.close()
-            raise
+        with open_regular(self.path) as f:
+            self._fd = os.dup(f.fileno())  # kept open for changed(): the mapped file, wherever its name now points
+        weakref.finalize(self, os.close, self._fd)
+        self.status = self._status()
+        size = self.status[0]
+        if size < 8:
+            raise CheckpointError(f"{self.path}: not a safetensors file: {size} bytes, shorter than the 8-byte "
+                                  "header length")
+        self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
         self.view = np.frombuffer(self._map, dtype=np.uint8)
         self.tensors = parse_safetensors(self._map, self.path)
 
     def _status(self) -> tuple[int, int, int, int]:
-        st = os.fstat(self.file.fileno())  # the mapped file itself, wherever its name now points
+        st = os.fstat(self._fd)
         return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink
 
     def changed(self) -> str | None:

@@ -101,7 +101,8 @@ def _other_weights(tmp_path: Path) -> bytes:
 def test_threads_sharing_a_session_are_refused_and_never_corrupt_it():
     """Four threads generating on one session (the heap corruption of issue 9), and four prefilling one core
     session: each call either gives the right answer or raises SessionConflictError; the process survives and the
-    session's tokens agree with its state."""
+    session's tokens agree with its state. Four threads with sessions of their own on the same model all succeed
+    (calls on one model's backend run one at a time)."""
     result = _run_python("""
         import json, threading
         import numpy as np
@@ -132,7 +133,16 @@ def test_threads_sharing_a_session_are_refused_and_never_corrupt_it():
                 except lily.SessionConflictError:
                     pass
 
-        for target in (generate, prefill):
+        own = []
+
+        def own_session(i):  # sessions of their own on one model: they may run at once, and all are right
+            barrier.wait()
+            s = model.session()
+            for _ in range(3):
+                own.append(s.generate(prompts[i], max_tokens=12, temperature=0.0) == want[i])
+                s.reset()
+
+        for target in (generate, prefill, own_session):
             threads = [threading.Thread(target=target, args=(i,)) for i in range(4)]
             for t in threads:
                 t.start()
@@ -140,12 +150,13 @@ def test_threads_sharing_a_session_are_refused_and_never_corrupt_it():
                 t.join()
         consistent = session.core.position == len(session.tokens)
         after = session.generate(prompts[0], max_tokens=12, temperature=0.0) == want[0]
-        print(json.dumps({"outcomes": outcomes, "consistent": consistent, "after": after,
+        print(json.dumps({"outcomes": outcomes, "own": own, "consistent": consistent, "after": after,
                           "core_position": core.position, "fed": sum(fed)}))
     """)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert False not in report["outcomes"], report  # every generation that finished is the right one
+    assert report["own"] == [True] * 12, report
     assert report["consistent"] and report["after"], report
     assert report["core_position"] == report["fed"], report  # no prefill lost or half-applied
 
