@@ -157,6 +157,15 @@ void make_model(PyModel* self, const nb::dict& config, const nb::dict& tensors, 
   new (self) PyModel{std::move(arrays), std::move(mapped), std::move(model)};
 }
 
+// The length of a token array, refused unless it fits an int and (room_in: the session) the session's context, so
+// that nothing is allocated for a call that cannot run.
+int token_count(const Tokens& tokens, const Session* room_in = nullptr) {
+  LILY_CHECK(tokens.shape(0) <= size_t(INT_MAX), "too many tokens: ", tokens.shape(0));
+  const int n = int(tokens.shape(0));
+  if (room_in) room_in->check_room(n);
+  return n;
+}
+
 nb::ndarray<nb::numpy, float> new_array(std::vector<size_t> shape) {
   size_t n = 1;
   for (size_t s : shape) n *= s;
@@ -242,17 +251,19 @@ void init_model(nb::module_& m) {
                    "Tokens run through the model by this session since it was made (prefill and decode).")
       .def("prefill",
            [](Session& s, const Tokens& tokens) {
+             const int n = token_count(tokens);
              auto out = new_array({size_t(s.vocab_size())});
              nb::gil_scoped_release release;
-             s.prefill(tokens.data(), int(tokens.shape(0)), out.data());
+             s.prefill(tokens.data(), n, out.data());
              return out;
            },
            "tokens"_a, "Feeds tokens (int32 [n], n ≥ 1) in chunks; returns the fp32 logits of the last one.")
       .def("forward_all",
            [](Session& s, const Tokens& tokens) {
-             auto out = new_array({tokens.shape(0), size_t(s.vocab_size())});
+             const int n = token_count(tokens, &s);  // [n, vocab] fp32 is allocated here: refuse first
+             auto out = new_array({size_t(n), size_t(s.vocab_size())});
              nb::gil_scoped_release release;
-             s.forward_all(tokens.data(), int(tokens.shape(0)), out.data());
+             s.forward_all(tokens.data(), n, out.data());
              return out;
            },
            "tokens"_a, "Feeds tokens; returns the fp32 logits of every one, [n, vocab].")
@@ -270,8 +281,9 @@ void init_model(nb::module_& m) {
            "eos_ids"_a, "max_tokens"_a, "n_valid"_a, nb::keep_alive<1, 2>())
       .def("prefill",
            [](Generator& g, const Tokens& tokens, const Tokens& history) {
+             const int n = token_count(tokens), n_history = token_count(history);
              nb::gil_scoped_release release;
-             g.prefill(tokens.data(), int(tokens.shape(0)), history.data(), int(history.shape(0)));
+             g.prefill(tokens.data(), n, history.data(), n_history);
            },
            "tokens"_a, "history"_a,
            "Feeds the new prompt tokens; `history` (tokens already in the session) counts for penalties.")

@@ -20,7 +20,6 @@ Crashes are tested in subprocesses, so that a regression fails the test instead 
 """
 
 import asyncio
-import gc
 import json
 import math
 import os
@@ -42,7 +41,6 @@ from hypothesis import strategies as st
 
 import lily
 from lily import _core
-from lily.loader import load_checkpoint
 from lily.prefix_cache import PrefixCache, model_fingerprint
 from lily.safetensors_io import (DTYPES, CheckpointChangedError, CheckpointError, parse_safetensors,
                                  read_safetensors, write_safetensors)
