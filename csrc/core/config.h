@@ -5,6 +5,11 @@
 
 namespace lily {
 
+// Limits of the config that keep every size the core computes from it inside an int and every per-layer list short
+// (the loader checks the same ones first, in src/lily/loader.py). 512 layers is llama.cpp's LLAMA_MAX_LAYERS.
+constexpr int kMaxLayers = 512;
+constexpr int kMaxConvKernel = 9;
+
 struct Config {
   int hidden_size = 0;                      // H
   int num_hidden_layers = 0;
@@ -36,7 +41,8 @@ struct Config {
   int rotary_dim() const { return int(head_dim * partial_rotary_factor); }
   int num_full_attention_layers() const;
 
-  // Throws InputError naming the config.json field when a value is impossible.
+  // Throws InputError naming the config.json field when a value is impossible or past a limit (then naming the
+  // limit), before anything is sized from the config.
   void validate() const;
 };
 

@@ -15,9 +15,11 @@
 namespace lily {
 
 Model::Model(const Config& cfg, const TensorMap& tensors, const std::string& backend, const Optimisations& opts)
-    : cfg_(cfg), be_(make_backend(backend)) {
+    : cfg_(cfg) {
+  cfg_.validate();  // before anything is sized from the config
+  be_ = make_backend(backend);
   be_->set_optimisations(opts);
-  cfg_.validate();
+  fingerprint_ = lily::fingerprint(cfg_, tensors);
   w_ = bind_weights(cfg_, tensors, *be_);
 }
 
@@ -34,7 +36,9 @@ size_t Snapshot::nbytes() const {
 
 namespace {
 constexpr char kSnapshotMagic[8] = {'L', 'I', 'L', 'Y', 'S', 'N', 'A', 'P'};
-constexpr uint32_t kSnapshotVersion = 1;
+// 1: no fingerprint (refused: a snapshot that cannot say which model made it is not restored). 2: fingerprint.
+constexpr uint32_t kSnapshotVersion = 2;
+constexpr uint32_t kMaxFingerprintBytes = 256;
 
 template <typename T>
 void put(std::vector<uint8_t>& out, T v) {
@@ -47,6 +51,8 @@ std::vector<uint8_t> Snapshot::serialize() const {
   std::vector<uint8_t> out(kSnapshotMagic, kSnapshotMagic + 8);
   out.reserve(nbytes() + 64 + 8 * (kv.size() + conv.size() + rec.size()));
   put(out, kSnapshotVersion);
+  put(out, uint32_t(fingerprint.size()));
+  out.insert(out.end(), fingerprint.begin(), fingerprint.end());
   put(out, int32_t(pos));
   for (auto* group : {&kv, &conv, &rec}) {
     put(out, uint64_t(group->size()));
@@ -70,9 +76,17 @@ Snapshot Snapshot::deserialize(const uint8_t* data, size_t n) {
   LILY_CHECK(std::memcmp(magic, kSnapshotMagic, 8) == 0, "not a Lily snapshot (bad magic)");
   uint32_t version;
   take(&version, 4);
+  LILY_CHECK(version != 1, "snapshot format version 1 is no longer supported: it does not record which model made "
+             "it (make the snapshot again)");
   LILY_CHECK(version == kSnapshotVersion, "snapshot format version ", version, " is not supported (expected ",
              kSnapshotVersion, ")");
   Snapshot s;
+  uint32_t fp_bytes;
+  take(&fp_bytes, 4);
+  LILY_CHECK(fp_bytes <= kMaxFingerprintBytes, "snapshot data is corrupt (a model fingerprint of ", fp_bytes,
+             " bytes)");
+  s.fingerprint.resize(fp_bytes);
+  take(s.fingerprint.data(), fp_bytes);
   int32_t pos;
   take(&pos, 4);
   s.pos = pos;
@@ -102,6 +116,7 @@ Session::Session(const Model& model, int max_context, int prefill_chunk)
              c.max_position_embeddings, " (max_position_embeddings), got ", max_context);
   LILY_CHECK(prefill_chunk >= 0, "prefill_chunk must be positive (or 0 for the backend's default), got ",
              prefill_chunk);
+  Hold hold(*this);
   for (int il = 0; il < c.num_hidden_layers; ++il) {
     if (c.is_full_attention(il)) continue;
     conv_.push_back(be_.alloc(size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes()));
@@ -114,7 +129,24 @@ Session::Session(const Model& model, int max_context, int prefill_chunk)
   reset();
 }
 
+Session::Hold::Hold(const Session& s) : s_(s) {
+  const std::thread::id me = std::this_thread::get_id();
+  std::thread::id none;
+  if (!s.holder_.compare_exchange_strong(none, me, std::memory_order_acquire) && none != me)
+    throw SessionConflict(
+        "this session is in use by another thread: a session holds one conversation and is never shared "
+        "(give each thread its own session, or serialise the calls with a lock)");
+  ++s.holds_;
+  backend_ = std::unique_lock<std::recursive_mutex>(s.model_.backend_lock());
+}
+
+Session::Hold::~Hold() {
+  backend_.unlock();
+  if (--s_.holds_ == 0) s_.holder_.store(std::thread::id(), std::memory_order_release);
+}
+
 Session::~Session() {
+  std::lock_guard<std::recursive_mutex> lock(model_.backend_lock());  // another session may be computing
   for (auto* group : {&k_cache_, &v_cache_, &conv_, &work_})
     for (void* p : *group) be_.release(p);
   be_.release(logits_);
@@ -122,6 +154,8 @@ Session::~Session() {
 }
 
 void Session::reset() {
+  Hold hold(*this);
+  changed();
   const Config& c = model_.config();
   for (void* p : conv_) be_.zero(p, size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes());
   for (float* p : rec_)
@@ -131,8 +165,9 @@ void Session::reset() {
 }
 
 void Session::check_room(int n) const {
-  LILY_CHECK(n >= 0 && int64_t(pos_) + n <= max_context_, "prompt of ", n, " tokens",
-             pos_ ? cat(" (after ", pos_, " tokens already in the session)") : std::string(),
+  const int pos = pos_;
+  LILY_CHECK(n >= 0 && int64_t(pos) + n <= max_context_, "prompt of ", n, " tokens",
+             pos ? cat(" (after ", pos, " tokens already in the session)") : std::string(),
              " exceeds the context limit of ", max_context_, " tokens");
 }
 
@@ -249,19 +284,24 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
 }
 
 void Session::reserve(int tokens) {
+  Hold hold(*this);
   LILY_CHECK(tokens >= 0, "reserve: ", tokens, " tokens");
   reserve_kv(int(std::min<int64_t>(int64_t(pos_) + tokens, max_context_)));
 }
 
 int32_t* Session::token_buffer() {
+  Hold hold(*this);
+  changed();
   reserve_work(1);
   return static_cast<int32_t*>(tok_);
 }
 
 void Session::prefill_device(const int32_t* tokens, int n) {
+  Hold hold(*this);
   LILY_CHECK(n >= 1, "prefill needs at least one token");
   check_room(n);
   check_tokens(tokens, n);
+  changed();
   reserve_kv(pos_ + n);
   for (int i = 0; i < n; i += chunk_) {
     const int T = std::min(chunk_, n - i);
@@ -270,15 +310,20 @@ void Session::prefill_device(const int32_t* tokens, int n) {
 }
 
 void Session::sample_device(const SamplingParams& p, int n_valid, const DeviceSampler& st) {
+  Hold hold(*this);
+  changed();
   be_.sample(p, n_valid, static_cast<const float*>(logits_), st);
 }
 
 void Session::decode_device(const SamplingParams& p, int n_valid, const DeviceSampler& st, uint64_t key) {
+  Hold hold(*this);
   check_room(1);
+  changed();
   reserve_work(1);
   reserve_kv(pos_ + 1);  // may reallocate the caches (and so drop recorded units) before recording
   if (!pos_dev_valid_) {
-    be_.to_device(pos_dev_, &pos_, sizeof(int32_t));
+    const int32_t pos = pos_;
+    be_.to_device(pos_dev_, &pos, sizeof(int32_t));
     pos_dev_valid_ = true;
   }
   if (logits_rows_ < 1) {
@@ -307,9 +352,11 @@ void Session::check_tokens(const int32_t* tokens, int n) const {
 }
 
 void Session::prefill(const int32_t* tokens, int n, float* logits) {
+  Hold hold(*this);
   LILY_CHECK(n >= 1, "prefill needs at least one token");
   check_room(n);
   check_tokens(tokens, n);
+  changed();
   reserve_kv(pos_ + n);  // one allocation for the whole prompt: no grow-and-copy peaks between chunks
   for (int i = 0; i < n; i += chunk_) {
     const int T = std::min(chunk_, n - i);
@@ -319,9 +366,11 @@ void Session::prefill(const int32_t* tokens, int n, float* logits) {
 }
 
 void Session::forward_all(const int32_t* tokens, int n, float* logits) {
+  Hold hold(*this);
   LILY_CHECK(n >= 1, "forward_all needs at least one token");
   check_room(n);
   check_tokens(tokens, n);
+  changed();
   reserve_kv(pos_ + n);
   const size_t V = model_.config().vocab_size;
   for (int i = 0; i < n; i += chunk_) {
@@ -331,15 +380,18 @@ void Session::forward_all(const int32_t* tokens, int n, float* logits) {
 }
 
 Snapshot Session::snapshot() const {
+  Hold hold(*this);
   const Config& c = model_.config();
   Snapshot s;
-  s.pos = pos_;
+  s.fingerprint = model_.fingerprint();
+  const size_t pos = size_t(pos_);
+  s.pos = int(pos);
   const size_t row_bytes = size_t(c.num_key_value_heads) * c.head_dim * be_.act_bytes();
   for (size_t i = 0; i < k_cache_.size(); ++i) {
-    std::vector<uint8_t> b(2 * size_t(pos_) * row_bytes);
-    if (pos_) {
-      be_.to_host(b.data(), k_cache_[i], pos_ * row_bytes);
-      be_.to_host(b.data() + pos_ * row_bytes, v_cache_[i], pos_ * row_bytes);
+    std::vector<uint8_t> b(2 * pos * row_bytes);
+    if (pos) {
+      be_.to_host(b.data(), k_cache_[i], pos * row_bytes);
+      be_.to_host(b.data() + pos * row_bytes, v_cache_[i], pos * row_bytes);
     }
     s.kv.push_back(std::move(b));
   }
@@ -357,6 +409,7 @@ Snapshot Session::snapshot() const {
 }
 
 void Session::restore(const Snapshot& s) {
+  Hold hold(*this);
   const Config& c = model_.config();
   const size_t row_bytes = size_t(c.num_key_value_heads) * c.head_dim * be_.act_bytes();
   const size_t conv_bytes = size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes();
@@ -367,6 +420,10 @@ void Session::restore(const Snapshot& s) {
   for (auto& b : s.conv) ok = ok && b.size() == conv_bytes;
   for (auto& b : s.rec) ok = ok && b.size() == rec_bytes;
   LILY_CHECK(ok, "snapshot does not belong to this model and backend (layer count, sizes or dtype differ)");
+  LILY_CHECK(s.fingerprint == model_.fingerprint(), "snapshot was made by another model (fingerprint ",
+             s.fingerprint.empty() ? std::string("none") : s.fingerprint, ", this model's is ", model_.fingerprint(),
+             "): the same geometry with other weights");
+  changed();
   LILY_CHECK(s.pos <= max_context_, "snapshot holds ", s.pos, " tokens, more than this session's context limit of ",
              max_context_);
   pos_ = 0;  // nothing to preserve while growing the caches

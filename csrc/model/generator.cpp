@@ -18,6 +18,8 @@ Generator::Generator(Session& session, const SamplingParams& params, std::vector
       max_tokens_(max_tokens),
       logits_(session.vocab_size()) {
   LILY_CHECK(max_tokens >= 0, "max_tokens must be ≥ 0, got ", max_tokens);
+  Session::Hold hold(s_);
+  epoch_ = s_.epoch();
   device_ = be_.can_sample(params, n_valid);
   if (!device_) return;
   static std::atomic<uint64_t> serials{1};
@@ -32,13 +34,29 @@ Generator::Generator(Session& session, const SamplingParams& params, std::vector
   st_.step = static_cast<uint64_t*>(take(8));
   st_.results = static_cast<int32_t*>(take(2 * kResultSlots * 4));
   st_.token = s_.token_buffer();
+  epoch_ = s_.epoch();
 }
 
 Generator::~Generator() {
+  std::lock_guard<std::recursive_mutex> lock(s_.model().backend_lock());  // another session may be computing
   for (void* p : owned_) be_.release(p);
 }
 
+void Generator::check_epoch(const char* call) const {
+  if (s_.epoch() != epoch_)
+    throw SessionConflict(cat("Generator.", call, "(): the session was changed since this generation's last step "
+                              "(a prefill, reset or restore, or another generation on the same session); this "
+                              "generation cannot continue: start a new one"));
+  if (device_ && ready_ && s_.model().device_loop_owner() != serial_)
+    throw SessionConflict(cat("Generator.", call, "(): another generation on this model ran its device loop since "
+                              "this generation's last step, over the backend's in-flight results; this generation "
+                              "cannot continue: start a new one"));
+}
+
 void Generator::prefill(const int32_t* tokens, int n, const int32_t* history, int n_history) {
+  Session::Hold hold(s_);
+  check_epoch("prefill");
+  LILY_CHECK(!ready_, "Generator.prefill() was already called: a generator runs one prompt");
   LILY_CHECK(n >= 1, "the prompt must add at least one token to the session");
   sampler_.add_prompt(history, n_history);  // validates the ids (and, on the device path, marks them seen)
   sampler_.add_prompt(tokens, n);
@@ -59,6 +77,8 @@ void Generator::prefill(const int32_t* tokens, int n, const int32_t* history, in
     }
   }
   ready_ = true;
+  epoch_ = s_.epoch();
+  if (device_) s_.model().device_loop_owner() = serial_;
 }
 
 GenStep Generator::next() {
@@ -69,7 +89,11 @@ GenStep Generator::next() {
     out.finish = Finish::Length;
     return out;
   }
-  return device_ ? next_device() : next_host();
+  Session::Hold hold(s_);
+  check_epoch("next");
+  GenStep out = device_ ? next_device() : next_host();
+  epoch_ = s_.epoch();
+  return out;
 }
 
 GenStep Generator::finish(GenStep out, int token) {

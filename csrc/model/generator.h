@@ -22,6 +22,10 @@ struct GenStep {
 // On a backend that selects tokens itself (Backend::can_sample), the loop runs on the device: each step feeds the
 // previous token and selects the next one without the host, the host enqueues step k+1 before it waits for token k,
 // and so the state then also holds the last returned token (Session::position() tells what it holds).
+//
+// A generation owns its session from one step to the next: it holds the session during each call (Session::Hold),
+// and if anything else changed the session since its last step (a prefill, reset or restore, another generation),
+// its next call throws SessionConflict instead of continuing from a state that is no longer its own.
 class Generator {
  public:
   // n_valid: ids ≥ n_valid are vocabulary padding (never sampled).
@@ -43,8 +47,11 @@ class Generator {
   GenStep next_host();
   GenStep next_device();
   GenStep finish(GenStep out, int token);
+  // Throws SessionConflict unless the session is as this generation's last call left it.
+  void check_epoch(const char* call) const;
 
   Session& s_;
+  uint64_t epoch_ = 0;  // the session's epoch after this generation's last call
   Backend& be_;
   SamplingParams params_;
   int n_valid_;

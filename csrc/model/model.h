@@ -1,7 +1,12 @@
 // model.h: Model (config + weights on a backend), Session (the state of one conversation) and Snapshot.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/backend.h"
@@ -22,28 +27,66 @@ class Model {
   const Config& config() const { return cfg_; }
   const Weights& weights() const { return w_; }
   Backend& backend() const { return *be_; }
+  // The identity of the weights (weights.h, fingerprint): snapshots carry it, restore requires it.
+  const std::string& fingerprint() const { return fingerprint_; }
+
+  // One backend serves every session of the model, and a backend is one device queue with shared scratch memory:
+  // each call that uses it (Session::Hold) holds this lock, so calls on different sessions from different threads
+  // run one after the other. Recursive: a Generator's call nests its Session's.
+  std::recursive_mutex& backend_lock() const { return backend_lock_; }
+  // The device-loop generation (Generator serial) that last used the backend's result slots (Backend::fetch_result):
+  // another one's in-flight results are overwritten by it.
+  std::atomic<uint64_t>& device_loop_owner() const { return device_loop_owner_; }
 
  private:
+  mutable std::recursive_mutex backend_lock_;
+  mutable std::atomic<uint64_t> device_loop_owner_{0};
   Config cfg_;
   std::unique_ptr<Backend> be_;
+  std::string fingerprint_;
   Weights w_;
+};
+
+// A session used by two threads at once, or a generation continued on a session that something else changed
+// since its last step. Python: lily.SessionConflictError (a RuntimeError).
+struct SessionConflict : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 // The complete recurrent state at one position: KV rows 0..pos-1 of every attention layer, conv and fp32
 // recurrent state of every Gated DeltaNet layer. Host memory; independent of the session that made it.
 struct Snapshot {
   int pos = 0;
+  std::string fingerprint;                 // of the model that made it (Model::fingerprint)
   std::vector<std::vector<uint8_t>> kv;    // per attention layer: K rows then V rows, [pos, NKV, HD] each
   std::vector<std::vector<uint8_t>> conv;  // per GDN layer: [K-1, conv_dim] activations
   std::vector<std::vector<uint8_t>> rec;   // per GDN layer: fp32 [NV, DV, DK]
   size_t nbytes() const;
-  // A self-describing byte string (magic, version, position, every blob with its size) and back.
+  // A self-describing byte string (magic, version, fingerprint, position, every blob with its size) and back.
   std::vector<uint8_t> serialize() const;
   static Snapshot deserialize(const uint8_t* data, size_t n);
 };
 
+// Threads. A session is one conversation: it is never shared. Every call that reads or changes its state holds
+// the session for the call's duration, and a call from another thread meanwhile throws SessionConflict (the core
+// refuses rather than serialises: two conversations interleaved on one state could not both be right). The same
+// thread may nest holds (a Generator holds the session across its own Session calls). position(),
+// tokens_processed() and the limits may be read from any thread at any time.
 class Session {
  public:
+  // Holds `s` for the current thread until destroyed; throws SessionConflict if another thread holds it.
+  class Hold {
+   public:
+    explicit Hold(const Session& s);
+    ~Hold();
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+
+   private:
+    const Session& s_;
+    std::unique_lock<std::recursive_mutex> backend_;  // the model's backend_lock, taken after the session
+  };
+
   // max_context: the most tokens this session may hold (≤ max_position_embeddings);
   // prefill_chunk: tokens per forward call during prefill (bounds working memory); 0: the backend's default.
   Session(const Model& model, int max_context, int prefill_chunk);
@@ -52,9 +95,13 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   int position() const { return pos_; }
+  // Changes whenever the state does (prefill, decode, reset, restore, a generation's set-up): a Generator
+  // compares it with the value after its own last step to find out whether the session was changed under it.
+  uint64_t epoch() const { return epoch_; }
   int max_context() const { return max_context_; }
   int prefill_chunk() const { return chunk_; }
   int vocab_size() const { return model_.config().vocab_size; }
+  const Model& model() const { return model_; }
   Backend& backend() const { return be_; }
   // Tokens this session has run through the model since it was made (prefill and decode).
   int64_t tokens_processed() const { return processed_; }
@@ -78,6 +125,7 @@ class Session {
   // Allocates the KV rows of `tokens` more tokens (up to max_context) at once, so that the caches do not grow, and
   // copy, while they fill.
   void reserve(int tokens);
+  // restore() throws InputError for a snapshot of another model (fingerprint) or geometry.
   // Checks that n more tokens fit; throws InputError otherwise.
   void check_room(int n) const;
   // Checks that every id is inside the vocabulary; throws InputError otherwise (before any state changes).
@@ -92,11 +140,16 @@ class Session {
   void mixer_attention(const LayerWeights& L, int T, void* k_cache, void* v_cache, bool device_pos);
   void mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state);
 
+  void changed() { ++epoch_; }
+
   const Model& model_;
   Backend& be_;
   int max_context_, chunk_;
-  int pos_ = 0;
-  int64_t processed_ = 0;
+  std::atomic<int> pos_{0};
+  std::atomic<int64_t> processed_{0};
+  std::atomic<uint64_t> epoch_{0};
+  mutable std::atomic<std::thread::id> holder_{};  // the thread holding the session, or none
+  mutable int holds_ = 0;                          // nesting depth (touched by the holder only)
   int kv_cap_ = 0;
   std::vector<void*> k_cache_, v_cache_;  // per attention layer [kv_cap, NKV, HD]
   std::vector<void*> conv_;                // per GDN layer [K-1, conv_dim]

@@ -2,6 +2,7 @@
 // and the checks that make a bad checkpoint an error message instead of a crash.
 #include "model/weights.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <vector>
 
@@ -26,6 +27,13 @@ class Binder {
     auto it = t_.find(name);
     LILY_CHECK(it != t_.end(), "checkpoint is missing tensor '", name, "'");
     return it->second;
+  }
+
+  // The checks of q() and vec() make the bytes read follow from the shape and dtype; this states it.
+  static const void* span(const std::string& name, const HostTensor& t, size_t bytes) {
+    LILY_ASSERT(bytes <= t.nbytes, "tensor '", name, "': ", bytes, " bytes would be read from a ", t.nbytes,
+                "-byte array");
+    return t.data;
   }
 
   static std::string where(const std::string& name, const HostTensor& t) {
@@ -68,9 +76,11 @@ class Binder {
     expect(prefix + ".scales", s, with(groups), "[experts,] out, in/group");
     expect(prefix + ".biases", b, with(groups), "[experts,] out, in/group");
     const size_t n_words = size_t(m.E) * N * m.words_per_row(), n_groups = size_t(m.E) * N * groups;
-    m.w = static_cast<const uint32_t*>(be_.weight(w.data, n_words * 4));
-    m.scales = static_cast<const uint16_t*>(be_.weight(s.data, n_groups * 2));
-    m.biases = static_cast<const uint16_t*>(be_.weight(b.data, n_groups * 2));
+    m.w = static_cast<const uint32_t*>(be_.weight(span(prefix + ".weight", w, n_words * 4), n_words * 4));
+    m.scales = static_cast<const uint16_t*>(be_.weight(span(prefix + ".scales", s, n_groups * 2), n_groups * 2));
+    m.biases = static_cast<const uint16_t*>(be_.weight(span(prefix + ".biases", b, n_groups * 2), n_groups * 2));
+    w_.reads_host = w_.reads_host || static_cast<const void*>(m.w) == w.data ||
+                    static_cast<const void*>(m.scales) == s.data || static_cast<const void*>(m.biases) == b.data;
     w_.bytes += n_words * 4 + n_groups * 4;
     return m;
   }
@@ -84,9 +94,9 @@ class Binder {
     for (auto d : shape) n *= size_t(d);
     std::vector<float> host(n);
     if (t.dtype == "F32") {
-      std::memcpy(host.data(), t.data, n * 4);
+      std::memcpy(host.data(), span(name, t, n * 4), n * 4);
     } else if (t.dtype == "BF16") {
-      auto p = static_cast<const uint16_t*>(t.data);
+      auto p = static_cast<const uint16_t*>(span(name, t, n * 2));
       for (size_t i = 0; i < n; ++i) host[i] = bf16_to_f32(p[i]);
     } else {
       throw InputError(cat(where(name, t), ": dtype ", t.dtype, ", expected BF16 or F32"));
@@ -110,8 +120,6 @@ Weights bind_weights(const Config& c, const TensorMap& tensors, Backend& be) {
   Weights w;
   Binder b(c, tensors, be, w);
   const int H = c.hidden_size, V = c.vocab_size;
-  LILY_CHECK(c.linear_conv_kernel_dim <= 9, "config.json: linear_conv_kernel_dim ", c.linear_conv_kernel_dim,
-             " is larger than Lily supports (9)");
   w.embed = b.q("model.embed_tokens", 0, V, H);
   if (b.has("lm_head.weight") || !c.tie_word_embeddings)
     w.lm_head = b.q("lm_head", 0, V, H);
@@ -165,6 +173,77 @@ Weights bind_weights(const Config& c, const TensorMap& tensors, Backend& be) {
                ", but config.json says num_hidden_layers = ", c.num_hidden_layers);
   }
   return w;
+}
+
+namespace {
+
+// Two independent 64-bit lanes (FNV-1a and a multiply-rotate hash), each finished with splitmix64's mixer.
+class Hash128 {
+ public:
+  void bytes(const void* data, size_t n) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    for (size_t i = 0; i < n; ++i) {
+      a_ = (a_ ^ p[i]) * 0x100000001b3ull;
+      b_ = ((b_ << 23 | b_ >> 41) ^ p[i]) * 0x9e3779b97f4a7c15ull;
+    }
+  }
+  void text(const std::string& s) {
+    const uint64_t n = s.size();
+    bytes(&n, sizeof n);  // length first: ("ab", "c") and ("a", "bc") differ
+    bytes(s.data(), s.size());
+  }
+  uint64_t value() const { return mix(a_); }
+  std::string hex() const {
+    static const char digits[] = "0123456789abcdef";
+    std::string out;
+    for (uint64_t v : {mix(a_), mix(b_ ^ a_)})
+      for (int shift = 60; shift >= 0; shift -= 4) out += digits[(v >> shift) & 15];
+    return out;
+  }
+
+ private:
+  static uint64_t mix(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  uint64_t a_ = 0xcbf29ce484222325ull, b_ = 0x243f6a8885a308d3ull;
+};
+
+}  // namespace
+
+std::string fingerprint(const Config& c, const TensorMap& tensors) {
+  Hash128 h;
+  h.text(cat(c.hidden_size, ",", c.num_hidden_layers, ",", c.full_attention_interval, ",", c.num_attention_heads, ",",
+             c.num_key_value_heads, ",", c.head_dim, ",", c.linear_num_key_heads, ",", c.linear_num_value_heads, ",",
+             c.linear_key_head_dim, ",", c.linear_value_head_dim, ",", c.linear_conv_kernel_dim, ",", c.num_experts,
+             ",", c.num_experts_per_tok, ",", c.moe_intermediate_size, ",", c.shared_expert_intermediate_size, ",",
+             c.vocab_size, ",", c.max_position_embeddings, ",", c.tie_word_embeddings, ",", c.norm_topk_prob));
+  for (double v : {c.rope_theta, c.partial_rotary_factor, c.rms_norm_eps}) h.bytes(&v, sizeof v);  // exact bits
+  std::vector<const std::string*> names;
+  for (const auto& [name, t] : tensors) names.push_back(&name);
+  std::sort(names.begin(), names.end(), [](const std::string* a, const std::string* b) { return *a < *b; });
+  for (const std::string* name : names) {
+    const HostTensor& t = tensors.at(*name);
+    h.text(*name);
+    h.text(t.dtype);
+    h.text(cat(t.shape.size(), ":"));
+    for (int64_t d : t.shape) h.bytes(&d, sizeof d);
+    h.bytes(&t.nbytes, sizeof t.nbytes);
+    const auto* p = static_cast<const uint8_t*>(t.data);
+    const size_t W = kFingerprintWindow;
+    if (t.nbytes <= 3 * W) {
+      h.bytes(p, t.nbytes);
+      continue;
+    }
+    Hash128 pick;  // the middle window's offset: deterministic, different for every tensor
+    pick.text(*name);
+    const size_t middle = W + pick.value() % (t.nbytes - 3 * W + 1);
+    h.bytes(p, W);
+    h.bytes(p + middle, W);
+    h.bytes(p + t.nbytes - W, W);
+  }
+  return h.hex();
 }
 
 }  // namespace lily

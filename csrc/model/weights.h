@@ -13,6 +13,7 @@ namespace lily {
 // A tensor as the loader hands it over: a host view (usually of a memory-mapped shard) plus where it came from.
 struct HostTensor {
   const void* data = nullptr;
+  size_t nbytes = 0;           // bytes at data
   std::string dtype;           // "U32", "BF16", "F16", "F32"
   std::vector<int64_t> shape;
   std::string source;          // file name, for error messages
@@ -49,10 +50,19 @@ struct Weights {
   std::vector<LayerWeights> layers;
   std::vector<void*> owned;           // backend buffers made at bind time (fp32 vectors, resident copies)
   size_t bytes = 0;                   // quantized bytes bound
+  bool reads_host = false;            // some weight is read in place from the host arrays (zero copy), for good
 };
 
 // Checks presence, dtype and shape of every tensor against the config (InputError names the tensor and its
 // file) and binds them to the backend: zero-copy where the backend shares host memory.
 Weights bind_weights(const Config& cfg, const TensorMap& tensors, Backend& be);
+
+// The identity of a model's weights, 32 hex digits: a hash of the config, of every tensor's name, dtype and shape
+// (the content of the safetensors headers) and of sampled bytes of every tensor (its first, last and one middle
+// kFingerprintWindow bytes, the middle one at an offset drawn from its name). Cheap at load (three pages per
+// tensor) and independent of file names and times, so weights swapped for others of the same shapes are told
+// apart. Not cryptographic: it tells models apart, it does not authenticate them.
+constexpr size_t kFingerprintWindow = 256;
+std::string fingerprint(const Config& cfg, const TensorMap& tensors);
 
 }  // namespace lily

@@ -1,13 +1,16 @@
 // bind_model.cpp: lily._core.Model / Session / Snapshot / Generator. The GIL is released around every call that
-// computes. Python objects that own memory the core reads (the mapped weight arrays) are kept alive by the Model.
+// computes. The Model holds a reference to every array its weights point into (the arrays themselves, not the dict
+// they came in), so nothing done to the dict or the checkpoint frees memory the core reads.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <climits>
 #include <memory>
 
 #include "core/common.h"
+#include "core/mapped_files.h"
 #include "core/parallel.h"
 #include "model/generator.h"
 #include "model/model.h"
@@ -19,23 +22,58 @@ using namespace lily;
 namespace {
 
 using Tokens = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using HostArray = nb::ndarray<nb::ro, nb::device::cpu>;
 
-// A Model plus the Python arrays its weights point into.
-struct PyModel {
-  std::unique_ptr<Model> model;
-  nb::object keep_alive;
+// The registrations of a model's mapped files with the SIGBUS handler (core/mapped_files.h).
+class MappedFiles {
+ public:
+  MappedFiles() = default;
+  MappedFiles(MappedFiles&& o) noexcept : ids_(std::move(o.ids_)) { o.ids_.clear(); }
+  MappedFiles& operator=(MappedFiles&&) = delete;
+  ~MappedFiles() { clear(); }
+  void clear() {
+    for (int id : ids_) remove_mapped_file(id);
+    ids_.clear();
+  }
+  void add(const void* begin, size_t bytes, const std::string& path) {
+    ids_.push_back(add_mapped_file(begin, bytes, path));
+  }
+
+ private:
+  std::vector<int> ids_;
 };
 
+// A Model plus the Python arrays it reads (destroyed last) and its mapped files' registrations.
+struct PyModel {
+  std::vector<HostArray> arrays;
+  MappedFiles mapped;
+  std::unique_ptr<Model> model;
+};
+
+// A config field into the core's type. Integers must fit an int (the core's sizes); the message names the field
+// and the limit.
 template <typename T>
 void set_field(const nb::dict& d, const char* key, T& field, bool required) {
   if (!d.contains(key)) {
     LILY_CHECK(!required, "config.json: missing required field text_config.", key);
     return;
   }
-  try {
-    field = nb::cast<T>(d[key]);
-  } catch (const nb::cast_error&) {
-    throw InputError(cat("config.json: field text_config.", key, " has the wrong type"));
+  nb::object v = d[key];
+  const std::string where = cat("config.json: field text_config.", key);
+  if constexpr (std::is_same_v<T, int>) {
+    if (!PyLong_Check(v.ptr()) || PyBool_Check(v.ptr())) throw InputError(where + " must be an integer");
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    LILY_CHECK(!overflow && x >= INT_MIN && x <= INT_MAX, where,
+               overflow ? std::string(" is out of range") : cat(" = ", x, " is out of range"), " (the limit is ",
+               INT_MAX, ")");
+    field = int(x);
+  } else {
+    try {
+      field = nb::cast<T>(v);
+    } catch (const nb::cast_error&) {
+      throw InputError(where + " has the wrong type");
+    }
   }
 }
 
@@ -66,7 +104,7 @@ nb::dict config_to_dict(const Config& c) {
   return d;
 }
 
-const char* dtype_name(const nb::ndarray<nb::ro, nb::device::cpu>& a) {
+const char* dtype_name(const HostArray& a) {
   nb::dlpack::dtype t = a.dtype();
   if (t == nb::dtype<uint32_t>()) return "U32";
   if (t == nb::dtype<uint16_t>()) return "BF16";  // numpy has no bfloat16: the loader hands bf16 bits as uint16
@@ -75,15 +113,20 @@ const char* dtype_name(const nb::ndarray<nb::ro, nb::device::cpu>& a) {
   return "other";
 }
 
-PyModel* make_model(const nb::dict& config, const nb::dict& tensors, const nb::dict& sources,
-                    const std::string& backend, const std::vector<std::string>& disable) {
+void make_model(PyModel* self, const nb::dict& config, const nb::dict& tensors, const nb::dict& sources,
+                const std::string& backend, const nb::dict& mapped_files, const std::vector<std::string>& disable) {
+  std::vector<HostArray> arrays;
+  MappedFiles mapped;
   TensorMap map;
   for (auto [k, v] : tensors) {
+    if (!nb::isinstance<nb::str>(k)) throw InputError("tensors: every key must be a tensor name (a string)");
     std::string name = nb::cast<std::string>(k);
-    nb::ndarray<nb::ro, nb::device::cpu> a;
+    HostArray a;
     if (!nb::try_cast(v, a)) throw InputError(cat("tensor '", name, "': not an array"));
+    arrays.push_back(a);  // the array itself (or the converted copy nanobind made): what t.data points into
     HostTensor t;
     t.data = a.data();
+    t.nbytes = a.nbytes();
     t.dtype = dtype_name(a);
     for (size_t i = 0; i < a.ndim(); ++i) t.shape.push_back(int64_t(a.shape(i)));
     int64_t stride = 1;
@@ -94,18 +137,34 @@ PyModel* make_model(const nb::dict& config, const nb::dict& tensors, const nb::d
     if (sources.contains(k)) t.source = nb::cast<std::string>(sources[k]);
     map.emplace(std::move(name), std::move(t));
   }
+  for (auto [k, v] : mapped_files) {
+    HostArray a;
+    if (!nb::isinstance<nb::str>(k) || !nb::try_cast(v, a) || a.ndim() != 1 || a.dtype() != nb::dtype<uint8_t>())
+      throw InputError("mapped_files: must map file names to uint8 views of their whole mappings");
+    arrays.push_back(a);
+    mapped.add(a.data(), a.nbytes(), nb::cast<std::string>(k));
+  }
   Config c = config_from_dict(config);
   const Optimisations opts = Optimisations::with_disabled(disable);
-  auto* pm = new PyModel();
-  try {
+  std::unique_ptr<Model> model;
+  {
     nb::gil_scoped_release release;
-    pm->model = std::make_unique<Model>(c, map, backend, opts);
-  } catch (...) {
-    delete pm;
-    throw;
+    model = std::make_unique<Model>(c, map, backend, opts);
   }
-  pm->keep_alive = tensors;
-  return pm;
+  if (!model->weights().reads_host) {  // the backend copied every weight: the arrays are no longer read
+    mapped.clear();
+    arrays.clear();
+  }
+  new (self) PyModel{std::move(arrays), std::move(mapped), std::move(model)};
+}
+
+// The length of a token array, refused unless it fits an int and (room_in: the session) the session's context, so
+// that nothing is allocated for a call that cannot run.
+int token_count(const Tokens& tokens, const Session* room_in = nullptr) {
+  LILY_CHECK(tokens.shape(0) <= size_t(INT_MAX), "too many tokens: ", tokens.shape(0));
+  const int n = int(tokens.shape(0));
+  if (room_in) room_in->check_room(n);
+  return n;
 }
 
 nb::ndarray<nb::numpy, float> new_array(std::vector<size_t> shape) {
@@ -126,6 +185,9 @@ void init_model(nb::module_& m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }
   });
+  nb::exception<SessionConflict>(m, "SessionConflictError", PyExc_RuntimeError)
+      .attr("__doc__") = "A session used by two threads at once, or a generation continued on a session that "
+                         "something else changed since its last step.";
 
   m.def("backends", &compiled_backends, "Names of the backends compiled into this build.");
   m.def("optimisations",
@@ -138,18 +200,19 @@ void init_model(nb::module_& m) {
   m.def("num_threads", &num_threads, "Threads the CPU backend uses (LILY_NUM_THREADS overrides).");
 
   nb::class_<PyModel>(m, "Model", "Weights of one qwen3_5_moe text model resident on a backend.")
-      .def("__init__",
-           [](PyModel* self, const nb::dict& config, const nb::dict& tensors, const nb::dict& sources,
-              const std::string& backend, const std::vector<std::string>& disable) {
-             PyModel* pm = make_model(config, tensors, sources, backend, disable);
-             new (self) PyModel(std::move(*pm));
-             delete pm;
-           },
-           "config"_a, "tensors"_a, "sources"_a = nb::dict(), "backend"_a = "cpu",
-           "disable"_a = std::vector<std::string>(),
+      .def("__init__", &make_model, "config"_a, "tensors"_a, "sources"_a = nb::dict(), "backend"_a = "cpu",
+           "mapped_files"_a = nb::dict(), "disable"_a = std::vector<std::string>(),
            "config: text config dict (architecture.md §1 names); tensors: canonical name → array (bf16 as uint16);\n"
-           "sources: canonical name → file, for error messages; disable: names of optimisations to turn off.")
+           "sources: canonical name → file, for error messages; mapped_files: file name → uint8 view of its whole\n"
+           "mapping (a SIGBUS inside one names the file); disable: names of optimisations to turn off. The model\n"
+           "keeps every array alive.")
       .def_prop_ro("config", [](const PyModel& m) { return config_to_dict(m.model->config()); })
+      .def_prop_ro("fingerprint", [](const PyModel& m) { return m.model->fingerprint(); },
+                   "The identity of the weights (32 hex digits): config, tensor names, dtypes and shapes, and sampled "
+                   "bytes of every tensor. Snapshots carry it; Session.restore requires it.")
+      .def_prop_ro("reads_host_weights", [](const PyModel& m) { return m.model->weights().reads_host; },
+                   "True when the backend reads weights in place from the host arrays (the mapped files), so they "
+                   "must not change while the model lives.")
       .def_prop_ro("backend", [](const PyModel& m) { return m.model->backend().name(); })
       .def_prop_ro("device", [](const PyModel& m) { return m.model->backend().device(); },
                    "The device the backend runs on (e.g. \"NVIDIA H200\").")
@@ -177,6 +240,8 @@ void init_model(nb::module_& m) {
 
   nb::class_<Snapshot>(m, "Snapshot", "The complete state of a session at one position (host memory).")
       .def_prop_ro("position", [](const Snapshot& s) { return s.pos; })
+      .def_prop_ro("fingerprint", [](const Snapshot& s) { return s.fingerprint; },
+                   "The fingerprint of the model that made it.")
       .def_prop_ro("nbytes", &Snapshot::nbytes)
       .def("to_bytes",
            [](const Snapshot& s) {
@@ -194,7 +259,9 @@ void init_model(nb::module_& m) {
                   },
                   "data"_a, "A snapshot from to_bytes() output; ValueError if the data is not one.");
 
-  nb::class_<Session>(m, "Session", "The state of one sequence: KV caches, conv and recurrent states, position.")
+  nb::class_<Session>(m, "Session",
+                      "The state of one sequence: KV caches, conv and recurrent states, position. Never shared: a "
+                      "call while another thread is inside one raises SessionConflictError.")
       .def_prop_ro("position", &Session::position)
       .def_prop_ro("max_context", &Session::max_context)
       .def_prop_ro("prefill_chunk", &Session::prefill_chunk)
@@ -202,23 +269,26 @@ void init_model(nb::module_& m) {
                    "Tokens run through the model by this session since it was made (prefill and decode).")
       .def("prefill",
            [](Session& s, const Tokens& tokens) {
+             const int n = token_count(tokens);
              auto out = new_array({size_t(s.vocab_size())});
              nb::gil_scoped_release release;
-             s.prefill(tokens.data(), int(tokens.shape(0)), out.data());
+             s.prefill(tokens.data(), n, out.data());
              return out;
            },
            "tokens"_a, "Feeds tokens (int32 [n], n ≥ 1) in chunks; returns the fp32 logits of the last one.")
       .def("feed",
            [](Session& s, const Tokens& tokens) {
+             const int n = token_count(tokens);
              nb::gil_scoped_release release;
-             s.prefill(tokens.data(), int(tokens.shape(0)), nullptr);
+             s.prefill(tokens.data(), n, nullptr);
            },
            "tokens"_a, "Feeds tokens (int32 [n], n ≥ 1) in chunks and computes no logits (no lm_head, no copy).")
       .def("forward_all",
            [](Session& s, const Tokens& tokens) {
-             auto out = new_array({tokens.shape(0), size_t(s.vocab_size())});
+             const int n = token_count(tokens, &s);  // [n, vocab] fp32 is allocated here: refuse first
+             auto out = new_array({size_t(n), size_t(s.vocab_size())});
              nb::gil_scoped_release release;
-             s.forward_all(tokens.data(), int(tokens.shape(0)), out.data());
+             s.forward_all(tokens.data(), n, out.data());
              return out;
            },
            "tokens"_a, "Feeds tokens; returns the fp32 logits of every one, [n, vocab].")
@@ -226,15 +296,19 @@ void init_model(nb::module_& m) {
            "Raises ValueError unless n more tokens fit within the session's context limit.")
       .def("reset", &Session::reset, nb::call_guard<nb::gil_scoped_release>())
       .def("snapshot", &Session::snapshot, nb::call_guard<nb::gil_scoped_release>())
-      .def("restore", &Session::restore, "snapshot"_a, nb::call_guard<nb::gil_scoped_release>());
+      .def("restore", &Session::restore, "snapshot"_a, nb::call_guard<nb::gil_scoped_release>(),
+           "Restores a snapshot of this model (ValueError for another model's, or another geometry's).");
 
-  nb::class_<Generator>(m, "Generator", "The decode loop of one generation on a session.")
+  nb::class_<Generator>(m, "Generator",
+                        "The decode loop of one generation on a session. If anything else changes the session "
+                        "between its steps, its next step raises SessionConflictError.")
       .def(nb::init<Session&, const SamplingParams&, std::vector<int>, int, int>(), "session"_a, "params"_a,
            "eos_ids"_a, "max_tokens"_a, "n_valid"_a, nb::keep_alive<1, 2>())
       .def("prefill",
            [](Generator& g, const Tokens& tokens, const Tokens& history) {
+             const int n = token_count(tokens), n_history = token_count(history);
              nb::gil_scoped_release release;
-             g.prefill(tokens.data(), int(tokens.shape(0)), history.data(), int(history.shape(0)));
+             g.prefill(tokens.data(), n, history.data(), n_history);
            },
            "tokens"_a, "history"_a,
            "Feeds the new prompt tokens; `history` (tokens already in the session) counts for penalties.")

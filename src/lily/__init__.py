@@ -6,9 +6,11 @@
 """
 from lily._core import backends
 from lily.generate import GenerationResponse, generate, stream_generate
-from lily.model import Model, Session, load, optimisations
+from lily.model import Model, Session, SessionConflictError, load, optimisations
+from lily.safetensors_io import CheckpointChangedError, CheckpointError
 from lily.sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate", "Model", "Session", "GenerationResponse", "SamplingParams",
-           "backends", "optimisations", "__version__"]
+           "CheckpointError", "CheckpointChangedError", "SessionConflictError", "backends", "optimisations",
+           "__version__"]

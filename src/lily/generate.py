@@ -83,42 +83,49 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         template_kwargs["enable_thinking"] = enable_thinking
     messages = list(prompt) if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict) else None
     session = session or model.session()
-    ids = session.continuation(messages, tools, **template_kwargs) if messages else None
-    if ids is None:
-        ids = model.encode_prompt(prompt, tools=tools, **template_kwargs)
-    prompt_ids = as_tokens(ids).tolist()
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: it must contain at least one token")
-    cached = session.reuse(prompt_ids)
-    new = prompt_ids[cached:]
-    session.core.check_room(len(new))
-    model.core.reset_peak_memory()
+    model.check_files()
+    # Each block that changes the state and session.tokens holds the session (Session.exclusive); between steps
+    # the session is free, and a change made there by anyone else ends this generation (SessionConflictError).
+    with session.exclusive():
+        ids = session.continuation(messages, tools, **template_kwargs) if messages else None
+        if ids is None:
+            ids = model.encode_prompt(prompt, tools=tools, **template_kwargs)
+        tokens = as_tokens(ids, "prompt token ids")
+        prompt_ids = tokens.tolist()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        cached = session.reuse(prompt_ids)
+        new = prompt_ids[cached:]
+        session.core.check_room(len(new))
+        model.core.reset_peak_memory()
 
-    gen = _core.Generator(session.core, params.to_core(), model.eos_token_ids, params.max_tokens, model.n_valid)
-    t0 = time.perf_counter()
-    gen.prefill(as_tokens(new), as_tokens(prompt_ids[:cached]))
-    session.tokens = list(prompt_ids)
-    session.messages, session.pending, session.ended_on_eos = None, None, False
+        gen = _core.Generator(session.core, params.to_core(), model.eos_token_ids, params.max_tokens, model.n_valid)
+        t0 = time.perf_counter()
+        gen.prefill(tokens[cached:], tokens[:cached])
+        session.tokens = list(prompt_ids)
+        session.messages, session.pending, session.ended_on_eos = None, None, False
     prompt_tps = 0.0  # set at the first token: the device loop returns from prefill before the prefill is done
 
     detok = model.tokenizer.detokenizer()
     stop = _StopMatcher(params.stop)
     t1 = time.perf_counter()
     generated, reply = [], []
-    n = 0
-    while True:
+
+    def step() -> tuple[GenerationResponse, bool]:
+        """One token, with session.tokens brought up to date with the state; (response, last)."""
+        nonlocal prompt_tps
         token, logprob, top_ids, top_lps, finish = gen.next()
         if not prompt_tps:  # time to the first token
             prompt_tps = len(new) / max(time.perf_counter() - t0, 1e-9)
         stats = dict(prompt_tokens=len(prompt_ids), cached_tokens=cached, prompt_tps=prompt_tps,
                      peak_memory=model.core.peak_memory / 1e9)
-        if token < 0:  # the context is full: nothing more can be generated
-            yield GenerationResponse(stop.push(detok.flush())[0] + stop.flush(), -1, 0.0, generation_tokens=n,
-                                     generation_tps=n / max(time.perf_counter() - t1, 1e-9),
-                                     finish_reason="length", **stats)
-            return
-        generated.append(token)
         n = len(generated)
+        if token < 0:  # the context is full: nothing more can be generated
+            return GenerationResponse(stop.push(detok.flush())[0] + stop.flush(), -1, 0.0, generation_tokens=n,
+                                      generation_tps=n / max(time.perf_counter() - t1, 1e-9),
+                                      finish_reason="length", **stats), True
+        generated.append(token)
+        n += 1
         _sync_tokens(session, prompt_ids, generated)
         reason = FINISH[finish]
         text, hit = stop.push("" if reason == "stop" else detok.add(token))  # an EOS token adds no text
@@ -131,10 +138,15 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
             session.messages = messages + [{"role": "assistant", "content": "".join(reply)}]
             session.pending = None if len(session.tokens) == len(prompt_ids) + n else token
             session.ended_on_eos = token in model.eos_token_ids
-        yield GenerationResponse(text, token, float(logprob), list(zip(top_ids, top_lps)), generation_tokens=n,
-                                 generation_tps=n / max(time.perf_counter() - t1, 1e-9), finish_reason=reason,
-                                 **stats)
-        if reason is not None:
+        return GenerationResponse(text, token, float(logprob), list(zip(top_ids, top_lps)), generation_tokens=n,
+                                  generation_tps=n / max(time.perf_counter() - t1, 1e-9), finish_reason=reason,
+                                  **stats), reason is not None
+
+    while True:
+        with session.exclusive():
+            response, last = step()
+        yield response
+        if last:
             return
 
 

@@ -5,21 +5,35 @@ text-model tensor under its canonical name (the MLX key without the leading `lan
 `model.layers.0.mlp.gate.weight`, `lm_head.scales`). Tensors are zero-copy views of the mapped shards.
 This layer checks files, the config fields and the quantization metadata; the C++ core checks which
 tensors the architecture needs and their shapes and dtypes.
+
+Every file is read within limits (regular files only, MAX_JSON_BYTES, JSON nesting, integer sizes up to
+INT32_MAX and num_hidden_layers up to MAX_LAYERS), checked before anything is sized from it, and every
+problem is a CheckpointError naming the file and the field or tensor.
 """
 
 import json
+import math
 import re
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from lily.safetensors_io import CheckpointError, bf16_to_float32, float32_to_bf16, read_safetensors
+from lily.safetensors_io import CheckpointError, MappedFile, bf16_to_float32, float32_to_bf16, open_regular
 
 MODEL_TYPE = "qwen3_5_moe"
 TEXT_MODEL_TYPE = "qwen3_5_moe_text"
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
+# Every integer of the config becomes a C++ int; layers are listed one by one, so their count has a limit of its
+# own (llama.cpp's LLAMA_MAX_LAYERS; the core checks the same, csrc/core/config.h).
+INT32_MAX = 2**31 - 1
+MAX_LAYERS = 512
+# config.json, the shard index and generation_config.json are small; a larger one is not one of them.
+MAX_JSON_BYTES = 64 << 20
+# generation_config.json sampling fields and their JSON types (values are checked by lily.sampling).
+_GENERATION_FIELDS = {"temperature": (int, float), "top_k": (int,), "top_p": (int, float), "min_p": (int, float),
+                      "repetition_penalty": (int, float), "do_sample": (bool,)}
 
 # Geometry fields that must be present; all positive integers (architecture.md §1).
 REQUIRED_FIELDS = (
@@ -65,6 +79,7 @@ class Checkpoint:
     generation_config: dict            # generation_config.json; eos_token_id always a list
     tokenizer_json: str | None = None  # set only for in-memory checkpoints; else read the model dir
     chat_template: str | None = None
+    mapped: list[MappedFile] = field(default_factory=list)  # the shards the tensors are views of
 
 
 def canonical_name(key: str) -> str | None:
@@ -82,16 +97,34 @@ def _bad(source, path: str, problem: str) -> CheckpointError:
     return CheckpointError(f"{source}: {path} {problem}")
 
 
-def _positive_int(value, path: str, source) -> int:
+def _show(value) -> str:
+    """A value from a file for an error message: short, and safe for any nesting depth or size."""
+    if isinstance(value, (list, dict)):
+        return f"an {'array' if isinstance(value, list) else 'object'} of {len(value)} items"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _positive_int(value, path: str, source, limit: int = INT32_MAX) -> int:
     if type(value) is not int or value <= 0:
-        raise _bad(source, path, f"must be a positive integer, got {value!r}")
+        raise _bad(source, path, f"must be a positive integer, got {_show(value)}")
+    if value > limit:
+        raise _bad(source, path, f"is {_show(value)}, out of range: the limit is {limit}")
     return value
 
 
 def _positive_number(value, path: str, source) -> float:
     if type(value) not in (int, float) or not value > 0:
-        raise _bad(source, path, f"must be a positive number, got {value!r}")
-    return float(value)
+        raise _bad(source, path, f"must be a positive number, got {_show(value)}")
+    try:
+        value = float(value)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise _bad(source, path, f"must be a finite positive number, got {_show(value)}")
+    return value
 
 
 def _rope_parameters(d: dict, head_dim: int, source, prefix: str) -> dict:
@@ -99,7 +132,7 @@ def _rope_parameters(d: dict, head_dim: int, source, prefix: str) -> dict:
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     path = prefix + "rope_parameters."
     if not isinstance(rope, dict):
-        raise _bad(source, path.rstrip("."), f"must be an object, got {rope!r}")
+        raise _bad(source, path.rstrip("."), f"must be an object, got {_show(rope)}")
     rope = dict(rope)
     if "type" in rope and "rope_type" not in rope:  # mlx-lm renames rope_type to type
         rope["rope_type"] = rope.pop("type")
@@ -115,7 +148,7 @@ def _rope_parameters(d: dict, head_dim: int, source, prefix: str) -> dict:
         rope["original_max_position_embeddings"] = _positive_int(
             rope.get("original_max_position_embeddings"), path + "original_max_position_embeddings", source)
     elif rope["rope_type"] != "default":
-        raise _bad(source, path + "rope_type", f"is {rope['rope_type']!r}; Lily supports 'default' and 'yarn'")
+        raise _bad(source, path + "rope_type", f"is {_show(rope['rope_type'])}; Lily supports 'default' and 'yarn'")
     return rope
 
 
@@ -125,22 +158,22 @@ def config_from_text_config(d: dict, source="config.json", prefix: str = "") -> 
     `prefix` is prepended to field names in error messages (the loader passes "text_config.").
     """
     if d.get("model_type", TEXT_MODEL_TYPE) != TEXT_MODEL_TYPE:
-        raise _bad(source, prefix + "model_type", f"must be '{TEXT_MODEL_TYPE}', got {d['model_type']!r}")
+        raise _bad(source, prefix + "model_type", f"must be '{TEXT_MODEL_TYPE}', got {_show(d['model_type'])}")
     cfg: dict = {"model_type": TEXT_MODEL_TYPE}
     for key in REQUIRED_FIELDS:
         if key not in d:
             raise _bad(source, prefix + key, "is missing (required)")
-        cfg[key] = _positive_int(d[key], prefix + key, source)
+        cfg[key] = _positive_int(d[key], prefix + key, source, MAX_LAYERS if key == "num_hidden_layers" else INT32_MAX)
     merged = {**DEFAULTS, **{k: d[k] for k in DEFAULTS if k in d}}
     for key in ("linear_conv_kernel_dim", "full_attention_interval", "max_position_embeddings"):
         cfg[key] = _positive_int(merged[key], prefix + key, source)
     cfg["rms_norm_eps"] = _positive_number(merged["rms_norm_eps"], prefix + "rms_norm_eps", source)
     for key in ("tie_word_embeddings", "attn_output_gate", "norm_topk_prob", "attention_bias"):
         if type(merged[key]) is not bool:
-            raise _bad(source, prefix + key, f"must be true or false, got {merged[key]!r}")
+            raise _bad(source, prefix + key, f"must be true or false, got {_show(merged[key])}")
     for key, supported in (("hidden_act", "silu"), ("attn_output_gate", True), ("attention_bias", False)):
         if merged[key] != supported:
-            raise _bad(source, prefix + key, f"is {merged[key]!r}; Lily supports only {supported!r}")
+            raise _bad(source, prefix + key, f"is {_show(merged[key])}; Lily supports only {supported!r}")
     cfg.update({k: merged[k] for k in ("tie_word_embeddings", "attn_output_gate", "norm_topk_prob",
                                        "attention_bias", "hidden_act")})
 
@@ -189,11 +222,11 @@ def module_quantization(quantization: dict, module: str) -> tuple[int, int] | No
 
 def _quant_params(q: dict, path: str, source, defaults: dict) -> dict:
     if q.get("mode", "affine") != "affine":
-        raise _bad(source, path + "mode", f"is {q['mode']!r}; Lily supports only 'affine'")
+        raise _bad(source, path + "mode", f"is {_show(q['mode'])}; Lily supports only 'affine'")
     params = {key: q.get(key, defaults.get(key)) for key in ("bits", "group_size")}
     for key, supported in (("bits", SUPPORTED_BITS), ("group_size", SUPPORTED_GROUP_SIZES)):
-        if params[key] not in supported or type(params[key]) is not int:
-            raise _bad(source, path + key, f"is {params[key]!r}; supported: {', '.join(map(str, supported))}")
+        if type(params[key]) is not int or params[key] not in supported:
+            raise _bad(source, path + key, f"is {_show(params[key])}; supported: {', '.join(map(str, supported))}")
     return params
 
 
@@ -205,7 +238,8 @@ def quantization_from_config(raw: dict, config: dict, source="config.json") -> d
         raise _bad(source, "quantization", "is missing: Lily runs MLX affine-quantized checkpoints "
                    "(convert with `mlx_lm.convert -q`)")
     if not isinstance(q, dict) or "quant_method" in q:
-        raise _bad(source, name, f"is not an MLX quantization section: {q!r:.200}")
+        raise _bad(source, name, "is not an MLX quantization section" +
+                   (f" (quant_method {_show(q['quant_method'])})" if isinstance(q, dict) else f": {_show(q)}"))
     out = {"mode": "affine", **_quant_params(q, name + ".", source, {}), "overrides": {}}
     widths = input_widths(config)
     for key, value in q.items():
@@ -262,26 +296,34 @@ def check_quantized_tensors(ckpt: Checkpoint) -> None:
 
 
 def _read_json(path: Path) -> dict:
+    with open_regular(path) as f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{path}: larger than the limit of {MAX_JSON_BYTES} bytes for a JSON file")
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        value = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # not UTF-8, not JSON, or an integer past Python's digit limit
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: must contain a JSON object")
     return value
 
 
-def _read_tensors(model_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """All text-model tensors of the directory by canonical name, and the file each came from."""
+def _read_tensors(model_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, str], list[MappedFile]]:
+    """All text-model tensors of the directory by canonical name, the file each came from, and the mapped files."""
     index_path = model_dir / "model.safetensors.index.json"
-    if index_path.exists():
+    if index_path.exists() or index_path.is_symlink():
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
         shards: dict[str, list[str]] = {}
         for key, shard in weight_map.items():
+            parts = PurePosixPath(shard).parts
+            if not parts or shard.startswith("/") or ".." in parts or "\\" in shard:
+                raise CheckpointError(f"{index_path}: shard {_show(shard)} (holding {_show(key)}) is not a file "
+                                      "name inside the model directory")
             shards.setdefault(shard, []).append(key)
     else:
         paths = sorted(model_dir.glob("model*.safetensors"))
@@ -289,12 +331,13 @@ def _read_tensors(model_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, str
             raise CheckpointError(f"{model_dir}: no model.safetensors, model-*.safetensors or "
                                   "model.safetensors.index.json")
         shards = {p.name: None for p in paths}
-    tensors, files = {}, {}
+    tensors, files, mapped = {}, {}, []
     for shard, keys in shards.items():
         path = model_dir / shard
-        if not path.is_file():
+        if keys is not None and not (path.exists() or path.is_symlink()):
             raise CheckpointError(f"{index_path}: shard '{shard}' (holding '{keys[0]}') does not exist in {model_dir}")
-        data = read_safetensors(path)
+        mapped.append(MappedFile(path))
+        data = mapped[-1].tensors
         for key in keys if keys is not None else data:
             if key not in data:
                 raise CheckpointError(f"{path}: tensor '{key}' is listed in {index_path.name} but not in this shard")
@@ -304,7 +347,7 @@ def _read_tensors(model_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, str
             if name in tensors:
                 raise CheckpointError(f"{path}: tensor '{key}' duplicates '{name}' from {files[name]}")
             tensors[name], files[name] = data[key], str(path)
-    return tensors, files
+    return tensors, files, mapped
 
 
 def _apply_hf_layout(tensors: dict[str, np.ndarray]) -> None:
@@ -320,16 +363,29 @@ def _apply_hf_layout(tensors: dict[str, np.ndarray]) -> None:
 
 
 def _generation_config(path: Path) -> dict:
-    if not path.exists():
+    """generation_config.json, checked: eos_token_id ids, and sampling defaults that SamplingParams accepts (so
+    that a bad value fails here, naming the file and field, not at every generation)."""
+    from lily.sampling import SamplingParams
+
+    if not (path.exists() or path.is_symlink()):
         return {}
     gen = _read_json(path)
     eos = gen.get("eos_token_id")
     if eos is not None:
         eos = [eos] if type(eos) is int else eos
-        if not isinstance(eos, list) or not all(type(e) is int and e >= 0 for e in eos):
+        if not isinstance(eos, list) or not all(type(e) is int and 0 <= e <= INT32_MAX for e in eos):
             raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of token ids, "
-                                  f"got {gen['eos_token_id']!r}")
+                                  f"got {_show(gen['eos_token_id'])}")
         gen["eos_token_id"] = eos
+    for key, kinds in _GENERATION_FIELDS.items():
+        value = gen.get(key)
+        if value is not None and (type(value) not in kinds):
+            wanted = {(bool,): "true or false", (int,): "an integer"}.get(kinds, "a number")
+            raise CheckpointError(f"{path}: {key} must be {wanted}, got {_show(value)}")
+    try:
+        SamplingParams.from_generation_config(gen)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise CheckpointError(f"{path}: {str(e).replace('SamplingParams.', '')}") from None
     return gen
 
 
@@ -361,13 +417,13 @@ def load_checkpoint(path_or_id: str | Path, revision: str | None = None) -> Chec
     elif model_type == TEXT_MODEL_TYPE:
         config = config_from_text_config(raw, config_path)
     else:
-        raise CheckpointError(f"{config_path}: unsupported model_type {model_type!r} (Lily runs {MODEL_TYPE} only)")
+        raise CheckpointError(f"{config_path}: unsupported model_type {_show(model_type)} (Lily runs {MODEL_TYPE} only)")
     quantization = quantization_from_config(raw, config, config_path)
-    tensors, files = _read_tensors(model_dir)
+    generation_config = _generation_config(model_dir / "generation_config.json")
+    tensors, files, mapped = _read_tensors(model_dir)
     _apply_hf_layout(tensors)
     if config["tie_word_embeddings"]:
         tensors = {n: a for n, a in tensors.items() if not n.startswith("lm_head.")}
-    ckpt = Checkpoint(model_dir, config, quantization, tensors, files,
-                      _generation_config(model_dir / "generation_config.json"))
+    ckpt = Checkpoint(model_dir, config, quantization, tensors, files, generation_config, mapped=mapped)
     check_quantized_tensors(ckpt)
     return ckpt

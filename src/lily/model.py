@@ -1,26 +1,60 @@
 """Model and Session: the Python face of the compiled core (lily._core)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
 
 from lily import _core
+from lily._core import SessionConflictError
 from lily.loader import Checkpoint, load_checkpoint
+from lily.safetensors_io import CheckpointChangedError
 from lily.tokenizer import Tokenizer
 
 
 
-def as_tokens(ids) -> np.ndarray:
-    a = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+def as_tokens(ids, what: str = "token ids") -> np.ndarray:
+    """Token ids as a contiguous int32 array: a 1-D sequence of Python or NumPy integers (a NumPy integer array is
+    taken as is). Anything else raises ValueError naming the problem: a float (1.9 is no id), a string, a bool, a
+    nested or 2-D input, an id outside [0, 2**31)."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{what} must be a sequence of integers, got a {type(ids).__name__}")
+    if isinstance(ids, np.ndarray):
+        a = ids
+        if a.dtype.kind not in "iu":
+            raise ValueError(f"{what} must be integers, got an array of {a.dtype}")
+    else:
+        try:
+            items = list(ids)
+        except TypeError:
+            raise ValueError(f"{what} must be a sequence of integers, got {type(ids).__name__}") from None
+        for i, t in enumerate(items):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"{what}[{i}] must be an integer, got {type(t).__name__} {t!r:.40}")
+        try:
+            a = np.array(items, dtype=np.int64)
+        except OverflowError:
+            a = None
+        if a is None or (a.size and (a.min() < 0 or a.max() >= 2**31)):
+            i = next(i for i, t in enumerate(items) if not 0 <= t < 2**31)
+            raise ValueError(f"{what}[{i}] = {items[i]} is outside [0, 2**31)")
+    if a.ndim != 1:
+        raise ValueError(f"{what} must be one-dimensional, got shape {a.shape}")
     if a.size and (a.min() < 0 or a.max() >= 2**31):
-        raise ValueError("token ids must be non-negative 32-bit integers")
-    return a.astype(np.int32)
+        i = int(np.argmax((a < 0) | (a >= 2**31)))
+        raise ValueError(f"{what}[{i}] = {a[i]} is outside [0, 2**31)")
+    return np.ascontiguousarray(a, dtype=np.int32)
 
 
 class Model:
-    """A loaded model: weights on a backend, its tokenizer, chat template and generation defaults."""
+    """A loaded model: weights on a backend, its tokenizer, chat template and generation defaults.
+
+    The core keeps every weight array alive (clearing or changing the checkpoint's dict frees nothing it reads). On
+    the CPU it reads the mapped safetensors files in place: they must not be overwritten while the model lives
+    (`check_files`, called before every generation, refuses with CheckpointChangedError if one was)."""
 
     def __init__(self, ckpt: Checkpoint, backend: str = "cpu", disable=None):
         self.path: Path | None = ckpt.model_dir
@@ -35,8 +69,11 @@ class Model:
             raise ValueError(f"config.json: rope_parameters.rope_type {rope_type!r} is not supported yet "
                              "(Lily implements the default partial RoPE; YaRN is opt-in and not needed below 262144 tokens)")
         core_config = {k: v for k, v in ckpt.config.items() if isinstance(v, (int, float, bool))}
-        self.core = _core.Model(core_config, ckpt.tensors, ckpt.files, backend, disabled_optimisations(disable))
+        self.core = _core.Model(core_config, ckpt.tensors, ckpt.files, backend,
+                                {str(f.path): f.view for f in ckpt.mapped}, disabled_optimisations(disable))
         self.backend: str = self.core.backend
+        # The files the backend reads in place for as long as the model lives (none where it copied the weights).
+        self.mapped_files = list(ckpt.mapped) if self.core.reads_host_weights else []
         self.vocab_size: int = ckpt.config["vocab_size"]
         # Ids the tokenizer does not know are vocabulary padding (architecture.md §7): never sampled.
         self.n_valid = min(self.vocab_size, self.tokenizer.vocab_size)
@@ -51,6 +88,25 @@ class Model:
         """The optimisations turned off for this model (lily.optimisations() lists them all)."""
         return [n for n in self.core.disabled.split(",") if n]
 
+    @property
+    def fingerprint(self) -> str:
+        """The identity of the weights (32 hex digits): config, tensor names, dtypes and shapes, and sampled bytes
+        of every tensor; independent of file names and times. Snapshots carry it and restore only into a model
+        with the same one."""
+        return self.core.fingerprint
+
+    def check_files(self) -> None:
+        """Raises CheckpointChangedError, naming the file, if a weights file this model reads in place was
+        overwritten or truncated since load (its size, modification or status-change time differs). A file
+        replaced by a rename is no change: the model still reads the file it mapped."""
+        for f in self.mapped_files:
+            what = f.changed()
+            if what is not None:
+                raise CheckpointChangedError(
+                    f"{f.path}: the weights file changed on disk while the model was reading it in place ({what}); "
+                    "its weights in memory may be corrupt: load the model again (to replace a weights file under a "
+                    "running model, write a new file and rename it over the old one)")
+
     def session(self, max_context: int | None = None, prefill_chunk: int | None = None) -> Session:
         """A new multi-turn session that keeps its state between calls. prefill_chunk (tokens per forward call
         while prefilling; bounds working memory) defaults to the backend's own choice."""
@@ -61,19 +117,20 @@ class Model:
         tokens = as_tokens(token_ids)
         if tokens.size == 0:
             raise ValueError("logits() needs at least one token")
+        self.check_files()
         s = self.core.session(max_context=self.config["max_position_embeddings"], prefill_chunk=prefill_chunk or 0)
         return s.forward_all(tokens)
 
     def encode_prompt(self, prompt, *, tools=None, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
-        """Token ids of a prompt: a string, a list of ids, or a list of chat messages (rendered by the template)."""
+        """Token ids of a prompt: a string, a sequence of ids, or a list of chat messages (rendered by the
+        template)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        prompt = list(prompt)
-        if prompt and isinstance(prompt[0], dict):
-            text = self.tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                      **template_kwargs)
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            text = self.tokenizer.apply_chat_template(list(prompt), tools=tools,
+                                                      add_generation_prompt=add_generation_prompt, **template_kwargs)
             return self.tokenizer.encode(text)
-        return [int(t) for t in prompt]
+        return as_tokens(prompt, "prompt token ids").tolist()
 
     def __repr__(self) -> str:
         c = self.config
@@ -88,7 +145,12 @@ class Session:
     Chat: after a reply to a list of messages, the session remembers that conversation. A later call whose
     messages extend it (the same messages, the reply as the assistant's content, then new messages) continues
     the token stream instead of re-rendering the history: the reply's own tokens stay in the state (reasoning
-    included, as mlx-lm's and llama.cpp's chat loops keep it) and only the new messages are prefilled."""
+    included, as mlx-lm's and llama.cpp's chat loops keep it) and only the new messages are prefilled.
+
+    One conversation, never shared: concurrent use is refused, not serialised. A call made while another thread
+    is inside the session raises SessionConflictError, and a generation whose session was changed between its
+    steps (by prefill, reset, restore or another generation, in any thread) raises SessionConflictError at its
+    next step. Give each thread its own session (they may share the Model), or hold a lock around the calls."""
 
     def __init__(self, model: Model, max_context: int | None, prefill_chunk: int | None):
         self.model = model
@@ -97,6 +159,20 @@ class Session:
         self.messages: list[dict] | None = None  # the conversation the state holds, reply last
         self.pending: int | None = None  # the reply's last token, sampled but not yet in the state
         self.ended_on_eos = False
+        self._lock = threading.RLock()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Holds the session for the current thread (nestable); SessionConflictError if another thread holds it.
+        Each call that changes `tokens` and the state together runs inside it, so they never disagree."""
+        if not self._lock.acquire(blocking=False):
+            raise SessionConflictError("this session is in use by another thread: a session holds one conversation "
+                                       "and is never shared (give each thread its own session, or serialise the "
+                                       "calls with a lock)")
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def continuation(self, messages: list[dict], tools=None, **template_kwargs) -> list[int] | None:
         """Prompt ids that continue the stored conversation with the new messages, or None if `messages` does
@@ -124,40 +200,59 @@ class Session:
 
     def reuse(self, prompt: list[int]) -> int:
         """Prepares the state for `prompt`; returns how many of its tokens are already in the state."""
-        n = len(self.tokens)
-        if 0 < n < len(prompt) and prompt[:n] == self.tokens:
-            return n
-        self.reset()
-        return 0
+        with self.exclusive():
+            n = len(self.tokens)
+            if 0 < n < len(prompt) and prompt[:n] == self.tokens and self.core.position == n:
+                return n
+            self.reset()
+            return 0
 
     def reset(self) -> None:
-        self.core.reset()
-        self.tokens = []
-        self.messages, self.pending, self.ended_on_eos = None, None, False
+        with self.exclusive():
+            self.core.reset()
+            self.tokens = []
+            self.messages, self.pending, self.ended_on_eos = None, None, False
 
     def snapshot(self) -> tuple[_core.Snapshot, list[int]]:
-        return self.core.snapshot(), list(self.tokens)
+        """(the state, the tokens it holds), for restore(); the snapshot carries the model's fingerprint."""
+        with self.exclusive():
+            return self.core.snapshot(), list(self.tokens)
 
     def restore(self, snap: tuple[_core.Snapshot, list[int]]) -> None:
+        """Restores a (snapshot, tokens) pair from snapshot() or a PrefixCache. ValueError, with the session
+        unchanged, for a snapshot of another model, or tokens that are not the snapshot's (their count must be
+        its position)."""
         state, tokens = snap
-        self.core.restore(state)
-        self.tokens = list(tokens)
-        self.messages, self.pending, self.ended_on_eos = None, None, False
+        tokens = as_tokens(tokens, "restore: tokens")
+        if len(tokens) != state.position:
+            raise ValueError(f"restore: the snapshot holds {state.position} tokens, but {len(tokens)} tokens were "
+                             "given with it")
+        if tokens.size and tokens.max() >= self.model.vocab_size:
+            raise ValueError(f"restore: token id {int(tokens.max())} is outside the vocabulary "
+                             f"[0, {self.model.vocab_size})")
+        with self.exclusive():
+            self.core.restore(state)
+            self.tokens = tokens.tolist()
+            self.messages, self.pending, self.ended_on_eos = None, None, False
 
     def prefill(self, token_ids) -> np.ndarray:
         """Feeds tokens; returns the fp32 logits of the last one."""
         tokens = as_tokens(token_ids)
-        out = self.core.prefill(tokens)
-        self.tokens.extend(int(t) for t in tokens)
-        self.messages, self.pending = None, None
-        return out
+        self.model.check_files()
+        with self.exclusive():
+            out = self.core.prefill(tokens)
+            self.tokens.extend(tokens.tolist())
+            self.messages, self.pending = None, None
+            return out
 
     def feed(self, token_ids) -> None:
         """Feeds tokens and computes no logits (no lm_head, nothing copied back): for prompt prefixes."""
         tokens = as_tokens(token_ids)
-        self.core.feed(tokens)
-        self.tokens.extend(int(t) for t in tokens)
-        self.messages, self.pending = None, None
+        self.model.check_files()
+        with self.exclusive():
+            self.core.feed(tokens)
+            self.tokens.extend(tokens.tolist())
+            self.messages, self.pending = None, None
 
     def generate(self, prompt, **kwargs) -> str:
         from lily.generate import generate

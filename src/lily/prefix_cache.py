@@ -39,14 +39,12 @@ _MAX_HEADER = 1 << 16
 
 
 def model_fingerprint(model) -> str:
-    """Identity of a loaded model for cache files: config, backend, bound weight bytes, and the names, sizes
-    and modification times of its checkpoint files. A snapshot is only ever restored into the same model."""
-    files = None
-    if model.path is not None:
-        files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model.path).glob("*.safetensors"))
-    ident = {"config": model.config, "backend": model.backend, "weight_bytes": model.core.weight_bytes,
-             "files": files}
-    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    """Identity of a loaded model for cache files: the fingerprint of its weights' content (Model.fingerprint:
+    config, tensor names, dtypes and shapes, sampled bytes of every tensor; not file names or times, which a
+    copy keeps for other weights) and the backend (whose state layout the snapshots hold). A snapshot is only
+    ever restored into the same model, which Session.restore checks again."""
+    ident = {"weights": model.fingerprint, "backend": model.backend}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
 
 
 @dataclass(eq=False)

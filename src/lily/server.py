@@ -37,6 +37,7 @@ from lily.generate import GenerationResponse, stream_generate
 from lily.model import Model
 from lily.parsers import Delta, OutputParser, prompt_opens_thinking
 from lily.prefix_cache import PrefixCache, model_fingerprint
+from lily.safetensors_io import CheckpointChangedError
 from lily.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -464,6 +465,10 @@ class Engine:
             job.emit("error", RequestError("cancelled", status=499))
 
     def _serve(self, job: Job) -> None:
+        try:
+            self.model.check_files()  # a weights file overwritten under the model: refuse, do not crash
+        except CheckpointChangedError as e:
+            raise RequestError(str(e), status=503, kind="server_error") from e
         prompt = job.prompt_fn(self.model)
         n = len(prompt.ids)
         if n == 0:

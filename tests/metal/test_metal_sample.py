@@ -90,3 +90,30 @@ def test_host_path_when_the_device_cannot_select(core, model):
         gen = core.Generator(model.session(max_context=16), core.SamplingParams(**params), [], 1, N_VALID)
         assert gen.on_device == on_device, params
 
+
+
+@pytest.mark.parametrize("where", ["same session", "another session"])
+def test_a_device_loop_continued_after_another_one_ran_is_refused(core, model, where):
+    """The backend's in-flight results (Backend::fetch_result slots) are the model's, not a session's: a device-loop
+    generation continued after another one on the same model ran raises SessionConflictError instead of reading the
+    other's tokens, and the other one is right."""
+    rng = np.random.default_rng(secrets.randbits(64))
+    first, second = (rng.integers(0, N_VALID, PROMPT_LEN).astype(np.int32) for _ in range(2))
+    params, none = core.SamplingParams(temperature=0.0), np.zeros(0, np.int32)
+
+    def tokens(gen, prompt, n):
+        gen.prefill(prompt, none)
+        return [gen.next()[0] for _ in range(n)]
+
+    want = tokens(core.Generator(model.session(max_context=64), params, [], STEPS, N_VALID), second, STEPS)
+    session = model.session(max_context=64)
+    older = core.Generator(session, params, [], STEPS, N_VALID)
+    tokens(older, first, 2)
+    if where == "same session":
+        session.reset()
+    newer = core.Generator(session if where == "same session" else model.session(max_context=64), params, [], STEPS,
+                           N_VALID)
+    got = tokens(newer, second, 2)
+    with pytest.raises(core.SessionConflictError, match="cannot continue: start a new one"):
+        older.next()
+    assert got + [newer.next()[0] for _ in range(STEPS - 2)] == want
