@@ -17,6 +17,9 @@ concatenated reasoning, the same content and the same calls. Rules:
   value that does not fit its type stays a string. The older JSON form `<tool_call>{"name": …,
   "arguments": {…}}</tool_call>` is read too.
 * A block that is not a well-formed call, or a call cut off before `</function>`, is kept as text.
+* Model output is untrusted: any text parses, without an exception. An object or array nested more than
+  MAX_JSON_DEPTH levels deep, or an integer with more digits than Python converts (4,300), does not fit its
+  type (a parameter stays a string; a JSON-form call stays text).
 * Each channel drops its leading and trailing whitespace (the `\\n\\n` around `</think>` and between
   calls); whitespace inside is kept.
 """
@@ -28,6 +31,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+_NO_VALUE = object()  # "not a value of this type"
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
@@ -36,6 +41,9 @@ PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
 _FUNCTION_TAG = re.compile(r"<function=([^\s<>]+)>")
 _PARAMETER_TAG = re.compile(r"<parameter=([^\s<>]+)>")
 _INTEGER = re.compile(r"[-+]?\d+")
+# The deepest JSON a parsed call may hold, and a request may send (lily.server): deep enough for any real schema
+# or argument, far from the recursion limits of json, the chat template and the clients.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass
@@ -69,9 +77,31 @@ def prompt_opens_thinking(prompt_text: str) -> bool:
     return turn.rfind(THINK_OPEN) > turn.rfind(THINK_CLOSE)
 
 
-def _schema_types(schema) -> list[str]:
+def nested_deeper_than(value, limit: int) -> bool:
+    """Whether JSON-like `value` nests lists and dicts more than `limit` levels deep (a scalar: 0 levels)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def _load_json(text: str):
+    """json.loads, or _NO_VALUE for text that is not JSON, is nested more than MAX_JSON_DEPTH levels deep or
+    holds an integer too long to convert."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return _NO_VALUE
+    return _NO_VALUE if nested_deeper_than(value, MAX_JSON_DEPTH) else value
+
+
+def _schema_types(schema, depth: int = 0) -> list[str]:
     """JSON-schema types a value may take, in the order to try them."""
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or depth > MAX_JSON_DEPTH:
         return []
     kind = schema.get("type")
     if isinstance(kind, str):
@@ -80,7 +110,7 @@ def _schema_types(schema) -> list[str]:
         return [k for k in kind if isinstance(k, str)]
     for union in ("anyOf", "oneOf"):
         if isinstance(schema.get(union), list):
-            return [k for sub in schema[union] for k in _schema_types(sub)]
+            return [k for sub in schema[union] for k in _schema_types(sub, depth + 1)]
     if isinstance(schema.get("enum"), list):
         names = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
         return list(dict.fromkeys(names[type(v)] for v in schema["enum"] if type(v) in names))
@@ -89,9 +119,6 @@ def _schema_types(schema) -> list[str]:
     if "items" in schema:
         return ["array"]
     return []
-
-
-_NO_VALUE = object()
 
 
 def _as_type(value: str, kind: str):
@@ -103,7 +130,10 @@ def _as_type(value: str, kind: str):
         return {"true": True, "false": False}.get(text.lower(), _NO_VALUE)
     if kind in ("integer", "number"):
         if _INTEGER.fullmatch(text):
-            return int(text)
+            try:
+                return int(text)
+            except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+                return _NO_VALUE
         try:
             number = float(text)
         except ValueError:
@@ -114,10 +144,7 @@ def _as_type(value: str, kind: str):
             return int(number) if number.is_integer() else _NO_VALUE
         return number
     if kind in ("object", "array"):
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            return _NO_VALUE
+        parsed = _load_json(text)
         return parsed if isinstance(parsed, dict if kind == "object" else list) else _NO_VALUE
     return _NO_VALUE
 
@@ -155,21 +182,21 @@ def _strip_one_newline(value: str) -> str:
 
 def _parse_json_call(body: str) -> ToolCall | None:
     """The older form: a JSON object with `name` and `arguments` (an object or a JSON string of one)."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+    obj = _load_json(body)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
+        args = _load_json(args)
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _find(text: str, tag: str, start: int) -> int:
+    """text.find(tag, start), or len(text) if it is not there."""
+    at = text.find(tag, start)
+    return len(text) if at < 0 else at
 
 
 def parse_tool_call(body: str, schemas: dict[str, dict], closed: bool) -> ToolCall | None:
@@ -191,7 +218,10 @@ def parse_tool_call(body: str, schemas: dict[str, dict], closed: bool) -> ToolCa
     elif not closed:
         return None  # cut off: the arguments may be incomplete
     props = schemas.get(name, {})
-    args, pos = {}, 0
+    args, pos, none = {}, 0, len(rest)
+    # The next </parameter> and <parameter= at or after the value's start (`none`: there is none), each searched
+    # again only once the values have passed it, so that many parameters cost one pass over the text.
+    close = following = -1
     while True:
         while pos < len(rest) and rest[pos].isspace():
             pos += 1
@@ -201,10 +231,12 @@ def parse_tool_call(body: str, schemas: dict[str, dict], closed: bool) -> ToolCa
         if tag is None:
             return None  # stray text between parameters
         start = tag.end()
-        close, following = rest.find(PARAMETER_CLOSE, start), rest.find(PARAMETER_OPEN, start)
-        if close < 0 or 0 <= following < close:  # a missing </parameter>: the value runs to the next tag
-            stop = following if following >= 0 else len(rest)
-            pos = stop
+        if close < start:
+            close = _find(rest, PARAMETER_CLOSE, start)
+        if following < start:
+            following = _find(rest, PARAMETER_OPEN, start)
+        if following <= close:  # a missing </parameter> (or none at all): the value runs to the next tag
+            stop = pos = following
         else:
             stop, pos = close, close + len(PARAMETER_CLOSE)
         args[tag.group(1)] = convert_argument(_strip_one_newline(rest[start:stop]), props.get(tag.group(1)))
@@ -245,7 +277,8 @@ class OutputParser:
         self._schemas = _parameter_schemas(tools)
         self._buf = ""            # text not yet decided
         self._call: str | None = None  # the opening tag of the call block being read
-        self._call_buf = ""       # the call block's text after its opening tag
+        self._call_parts: list[str] = []  # the call block's text after its opening tag, as it came
+        self._call_tail = ""      # its last characters, where an end tag may have begun
         self._may_open_think = True  # nothing but whitespace has been seen yet
         self._channels = {True: _Channel(), False: _Channel()}
 
@@ -310,7 +343,7 @@ class OutputParser:
             elif mark == THINK_OPEN:
                 self.in_reasoning = True
             else:
-                self._call, self._call_buf = mark, ""
+                self._call = mark
             self._may_open_think = False
         if final:
             for channel in self._channels.values():
@@ -318,25 +351,27 @@ class OutputParser:
         return out
 
     def _drain_call(self, out: Delta, final: bool) -> bool:
-        """Moves text into the open call block and closes it when it ends; False when more text is needed."""
+        """Moves text into the open call block and closes it when it ends; False when more text is needed.
+        The block's text is kept in pieces and searched only where an end tag could still be (the new text and
+        the tail before it), so that a long call costs time linear in its length."""
         ends = self._call_ends()
-        # Search from where an end tag could still start: earlier text was searched when it came in.
-        start = max(0, len(self._call_buf) - max(len(tag) for tag, _ in ends) + 1)
-        self._call_buf += self._buf
-        self._buf = ""
-        found = [(i, tag, inclusive) for tag, inclusive in ends if (i := self._call_buf.find(tag, start)) >= 0]
+        window, self._buf = self._call_tail + self._buf, ""
+        found = [(i, tag, inclusive) for tag, inclusive in ends if (i := window.find(tag)) >= 0]
         if found:
             at, tag, inclusive = min(found)
-            body, rest = self._call_buf[:at], self._call_buf[at + (len(tag) if inclusive else 0):]
+            before = "".join(self._call_parts)
+            body = before[:len(before) - len(self._call_tail)] + window[:at]
+            self._buf = window[at + (len(tag) if inclusive else 0):]
             self._close_call(out, body, tag if inclusive else "", closed=inclusive)
-            self._buf = rest
             return True
+        self._call_parts.append(window[len(self._call_tail):])
+        self._call_tail = window[max(0, len(window) - max(len(tag) for tag, _ in ends) + 1):]
         if final:
-            self._close_call(out, self._call_buf, "", closed=False)
+            self._close_call(out, "".join(self._call_parts), "", closed=False)
         return False
 
     def _close_call(self, out: Delta, body: str, end_tag: str, closed: bool) -> None:
-        opener, self._call, self._call_buf = self._call, None, ""
+        opener, self._call, self._call_parts, self._call_tail = self._call, None, [], ""
         text = body if opener == CALL_OPEN else opener + body + end_tag
         call = parse_tool_call(text, self._schemas, closed)
         if call is None:

@@ -5,8 +5,10 @@ prefix restores it and prefills only the rest.
 memory under a byte budget, evicting the least recently used. With a `cache_dir` every snapshot is also
 written to disk (by a background thread: a temporary file, then an atomic rename) and the files found
 there at start-up are indexed, so a restarted process resumes a conversation without re-reading it. A
-file that is truncated, corrupt or written for another model is skipped with a warning; nothing is ever
-unpickled.
+file that is truncated, corrupt, hostile or written for another model is skipped with one warning line;
+nothing is ever unpickled. Only regular files are opened (a symlink to one is followed; FIFOs, devices and
+directories are skipped without being opened), and every read is bounded by the file's size and by the
+limits below (header bytes, token count; a header must be a flat JSON object).
 
 File format (`<key>.lilycache`): the magic `LILYPFX1`, a little-endian u64 header length, a UTF-8 JSON
 header {"fingerprint", "tokens", "snapshot_bytes", "crc32"}, the tokens as little-endian int32, then the
@@ -19,6 +21,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import zlib
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"LILYPFX1"
 SUFFIX = ".lilycache"
 _MAX_HEADER = 1 << 16
+_MAX_TOKENS = 1 << 24  # far above any context length
 
 
 def model_fingerprint(model) -> str:
@@ -85,7 +89,7 @@ class PrefixCache:
         self.hits = self.misses = self.evictions = 0
         self._writes: queue.Queue | None = None
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the files hold the cached prompts' tokens
             self._scan()
             self._writes = queue.Queue()
             self._writer = threading.Thread(target=self._write_loop, name="lily-prefix-cache-writer", daemon=True)
@@ -189,22 +193,25 @@ class PrefixCache:
     # -- disk ----------------------------------------------------------------------------------------------
 
     def _scan(self) -> None:
-        """Indexes this model's cache files (oldest first); skips others with a warning."""
+        """Indexes this model's cache files (oldest first); skips any other file with one warning line."""
         found = []
         for path in self.dir.glob("*" + SUFFIX):
             try:
-                with open(path, "rb") as f:
+                with _open_regular(path) as f:
                     header, tokens = _read_header(f)
-                mtime = path.stat().st_mtime_ns
-            except (OSError, CorruptFile) as err:
-                log.warning("prefix cache: skipping %s: %s", path, err)
+                    info = os.fstat(f.fileno())
+                if header["fingerprint"] != self.fingerprint:
+                    raise CorruptFile("written for another model")
+            except Exception as err:  # whatever one file holds, the start-up goes on
+                log.warning("prefix cache: skipping %s: %s", path, _reason(err))
                 continue
-            if header["fingerprint"] != self.fingerprint:
-                log.warning("prefix cache: skipping %s: written for another model", path)
+            found.append((info.st_mtime_ns, path, tokens, info.st_size))
+        for _, path, tokens, size in sorted(found, key=lambda x: x[0]):
+            key = self._key(tokens)
+            if key in self._entries:  # a copy (or a link) of a file already indexed
+                log.warning("prefix cache: skipping %s: the same prefix as %s", path, self._entries[key].path)
                 continue
-            found.append((mtime, path, tokens))
-        for _, path, tokens in sorted(found, key=lambda x: x[0]):
-            e = _Entry(self._key(tokens), tokens, path=path, file_bytes=path.stat().st_size)
+            e = _Entry(key, tokens, path=path, file_bytes=size)
             self._entries[e.key] = e
             self.disk_bytes += e.file_bytes
             self._touch(e)
@@ -213,7 +220,7 @@ class PrefixCache:
     def _load(self, e: _Entry) -> _core.Snapshot | None:
         """The snapshot of a disk entry (kept in memory if it fits); None, and the file dropped, if it is bad."""
         try:
-            with open(e.path, "rb") as f:
+            with _open_regular(e.path) as f:
                 header, tokens = _read_header(f)
                 if header["fingerprint"] != self.fingerprint or not np.array_equal(tokens, e.tokens):
                     raise CorruptFile("its header changed since it was indexed")
@@ -227,8 +234,8 @@ class PrefixCache:
             if snapshot.position != len(tokens):
                 raise CorruptFile(f"the snapshot holds {snapshot.position} tokens, the header {len(tokens)}")
             os.utime(e.path)
-        except (OSError, CorruptFile) as err:
-            log.warning("prefix cache: skipping %s: %s", e.path, err)
+        except Exception as err:  # a bad file is a cache miss, never a failed request
+            log.warning("prefix cache: skipping %s: %s", e.path, _reason(err))
             self._drop_file(e)
             self._forget_if_nowhere(e)
             return None
@@ -254,7 +261,7 @@ class PrefixCache:
             header = json.dumps({"fingerprint": self.fingerprint, "tokens": len(e.tokens),
                                  "snapshot_bytes": len(payload),
                                  "crc32": zlib.crc32(payload, zlib.crc32(tokens))}).encode()
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:  # private, as the dir
                 f.write(MAGIC + struct.pack("<Q", len(header)) + header)
                 f.write(tokens)
                 f.write(payload)
@@ -291,6 +298,27 @@ class PrefixCache:
         e.path, e.file_bytes = None, 0
 
 
+def _reason(err: Exception) -> str:
+    return str(err) if isinstance(err, (OSError, CorruptFile)) else f"{type(err).__name__}: {err}"
+
+
+def _open_regular(path: Path):
+    """`path` opened for reading if it is a regular file (or a symlink to one); CorruptFile otherwise. A FIFO,
+    device or directory is never opened (opening a FIFO blocks until a writer comes; a device may act)."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise CorruptFile(f"not a regular file (mode {stat.filemode(info.st_mode)})")
+    # O_NONBLOCK: should the path have been swapped for a FIFO since the stat, the open still returns at once.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptFile("not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read_header(f) -> tuple[dict, np.ndarray]:
     """Reads and checks a cache file's header and tokens; leaves `f` at the snapshot bytes."""
     head = f.read(len(MAGIC) + 8)
@@ -301,15 +329,25 @@ def _read_header(f) -> tuple[dict, np.ndarray]:
         raise CorruptFile(f"header of {n} bytes is too long")
     try:
         header = json.loads(f.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
+    except RecursionError:
+        raise CorruptFile("unreadable header: nested too deeply") from None
+    except ValueError as err:
         raise CorruptFile(f"unreadable header: {err}") from err
     fields = {"fingerprint": str, "tokens": int, "snapshot_bytes": int, "crc32": int}
     if not isinstance(header, dict) or any(type(header.get(k)) is not t for k, t in fields.items()) \
-            or header["tokens"] < 0 or header["snapshot_bytes"] < 0:
-        raise CorruptFile(f"malformed header {header!r}")
+            or not 0 <= header["tokens"] <= _MAX_TOKENS or header["snapshot_bytes"] < 0:
+        raise CorruptFile(f"malformed header {_short(header)}")
     expected = len(MAGIC) + 8 + n + 4 * header["tokens"] + header["snapshot_bytes"]
     actual = os.fstat(f.fileno()).st_size
     if actual != expected:
         raise CorruptFile(f"{actual} bytes, the header describes {expected}")
     tokens = np.frombuffer(f.read(4 * header["tokens"]), dtype="<i4").astype(np.int32)
     return header, tokens
+
+
+def _short(value) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long for repr
+        return "(unprintable)"
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -6,13 +6,20 @@ a boundary are kept or dropped together) and the counter-based draw are specifie
 
 from __future__ import annotations
 
-import math
+import numbers
 import secrets
 from dataclasses import dataclass, field
 
 import numpy as np
 
 MAX_TOP_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
+# The ranges in which the sampler's 32-bit arithmetic (csrc/core/sample.cpp) cannot overflow for logits below 1e20
+# in magnitude and up to 2**31 generated tokens: x / repetition_penalty - frequency_penalty * count - presence_penalty,
+# divided by the temperature, stays below 1e30. A temperature outside its range is greedy or uniform in all but name.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e5
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-5, 1e5
+MAX_PENALTY = 1e5  # |presence_penalty|, |frequency_penalty|
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -33,24 +40,15 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self):
-        rules = [
-            ("temperature", self.temperature >= 0 and math.isfinite(self.temperature), "finite and >= 0"),
-            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty),
-             "finite and > 0"),
-            ("presence_penalty", math.isfinite(self.presence_penalty), "finite"),
-            ("frequency_penalty", math.isfinite(self.frequency_penalty), "finite"),
-            ("seed", self.seed is None or 0 <= self.seed <= _MASK64, "None or in [0, 2**64)"),
-            ("top_logprobs", 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"in 0..{MAX_TOP_LOGPROBS}"),
-            ("max_tokens", self.max_tokens >= 1, ">= 1"),
-            ("stop", isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-             "a list of non-empty strings"),
-        ]
-        for name, ok, requirement in rules:
-            if not ok:
-                raise ValueError(f"SamplingParams.{name} must be {requirement}, got {getattr(self, name)!r}")
+        for name, kinds, ok, requirement in _RULES:
+            value = getattr(self, name)
+            if not _is_a(value, kinds):
+                raise ValueError(f"SamplingParams.{name} must be {_kind_names(kinds)}, got {_show(value)}")
+            if not ok(value):
+                raise ValueError(f"SamplingParams.{name} must be {requirement}, got {_show(value)}")
+            if kinds == _REAL and not ok(float(np.float32(value))):  # the core reads it as a 32-bit float
+                raise ValueError(f"SamplingParams.{name} must be {requirement}, got {_show(value)} "
+                                 f"({float(np.float32(value))!r} as a 32-bit float)")
 
     @classmethod
     def from_generation_config(cls, gen: dict, **overrides) -> SamplingParams:
@@ -71,6 +69,53 @@ class SamplingParams:
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, top_logprobs=self.top_logprobs,
             seed=secrets.randbits(63) if self.seed is None else self.seed)
+
+
+_REAL, _INT, _SEED = (numbers.Real,), (numbers.Integral,), (numbers.Integral, type(None))
+
+
+def _is_a(value, kinds: tuple) -> bool:
+    """isinstance, with a boolean no number."""
+    return isinstance(value, kinds) and (not isinstance(value, (bool, np.bool_)) or bool in kinds)
+
+
+def _kind_names(kinds: tuple) -> str:
+    names = {numbers.Real: "a number", numbers.Integral: "an integer", bool: "a boolean", list: "a list",
+             type(None): "None"}
+    return " or ".join(names[k] for k in kinds)
+
+
+def _show(value) -> str:
+    """A short repr for error messages (an integer too long for repr is described by its size)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _in(lo, hi):
+    return lambda v: lo <= v <= hi
+
+
+# (field, accepted types, check, what the check requires). Comparisons of Python ints with floats are exact, so a
+# huge integer fails its range check rather than overflowing.
+_RULES = [
+    ("temperature", _REAL, lambda v: v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
+     f"0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"),
+    ("top_k", _INT, _in(0, INT32_MAX), f"in [0, {INT32_MAX}] (0 = off)"),
+    ("top_p", _REAL, lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("min_p", _REAL, _in(0, 1), "in [0, 1]"),
+    ("repetition_penalty", _REAL, _in(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+     f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off)"),
+    ("presence_penalty", _REAL, _in(-MAX_PENALTY, MAX_PENALTY), f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"),
+    ("frequency_penalty", _REAL, _in(-MAX_PENALTY, MAX_PENALTY), f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"),
+    ("seed", _SEED, lambda v: v is None or 0 <= v <= _MASK64, "None or in [0, 2**64)"),
+    ("top_logprobs", _INT, _in(0, MAX_TOP_LOGPROBS), f"in 0..{MAX_TOP_LOGPROBS}"),
+    ("max_tokens", _INT, _in(1, INT32_MAX), f"in [1, {INT32_MAX}]"),
+    ("stop", (list,), lambda v: all(isinstance(s, str) and s for s in v), "a list of non-empty strings"),
+    ("logprobs", (bool,), lambda v: True, "a boolean"),
+]
 
 
 def draw_uniform(seed: int, step: int) -> float:

@@ -35,14 +35,15 @@ from starlette.routing import Route
 
 from lily.generate import GenerationResponse, stream_generate
 from lily.model import Model
-from lily.parsers import Delta, OutputParser, prompt_opens_thinking
+from lily.parsers import MAX_JSON_DEPTH, Delta, OutputParser, prompt_opens_thinking
 from lily.prefix_cache import PrefixCache, model_fingerprint
 from lily.safetensors_io import CheckpointChangedError
-from lily.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from lily.sampling import INT32_MAX, MAX_TOP_LOGPROBS, SamplingParams
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 << 20
+# The largest request body read: a full 262,144-token context is about 1 MB of text (a few MB JSON-escaped).
+MAX_BODY_BYTES = 16 << 20
 # Turn ends snapshotted per request: the last few past the restored prefix. Later turns of the conversation
 # start from one of them (or from the snapshot after the reply); earlier ones were cached by earlier requests.
 TURN_SNAPSHOTS = 4
@@ -90,6 +91,85 @@ def _field(body: dict, name: str, kinds: tuple, where: str = ""):
     return value
 
 
+# -- request bodies ------------------------------------------------------------------------------------------
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff written as a JSON escape
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_body(data: bytes) -> dict:
+    """A request body read as a JSON object; RequestError (400) for anything else, including JSON nested more than
+    MAX_JSON_DEPTH levels deep, NaN or Infinity, and strings with a lone UTF-16 surrogate (not Unicode text)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request body is not valid UTF-8: {e}") from e
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise RequestError(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep") \
+            from None
+    except ValueError as e:
+        reason = "a number has more digits than this server reads (4300)" if "integer string" in str(e) else e
+        raise RequestError(f"the request body is not valid JSON: {reason}") from e
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {_json_type(body)}")
+    # Walking the body is linear in its size; these byte scans (C speed) say when it is needed.
+    if _nested_too_deep(data) or _SURROGATE_ESCAPE.search(data):
+        check_json_value(body, "")
+    return body
+
+
+def _nested_too_deep(data: bytes) -> bool:
+    """Whether valid JSON `data` nests arrays and objects more than MAX_JSON_DEPTH levels deep."""
+    if data.count(b"[") + data.count(b"{") <= MAX_JSON_DEPTH:
+        return False
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS), np.uint8)
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), np.int32(1), np.int32(-1))
+    return int(np.cumsum(steps, dtype=np.int32).max(initial=0)) > MAX_JSON_DEPTH
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def check_json_value(value, where: str) -> None:
+    """Refuses a parsed JSON value (a request body, or tool-call arguments read from a string) that nests more than
+    MAX_JSON_DEPTH levels deep or holds a string or key with a lone UTF-16 surrogate, naming where."""
+    stack = [(value, 1, where)]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, str):
+            if (bad := _SURROGATE.search(item)) is not None:
+                raise RequestError(f"'{path}' holds a lone UTF-16 surrogate ({_printable(bad.group())}), which is "
+                                   "not Unicode text", param=path)
+            continue
+        if not isinstance(item, (list, dict)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            top = where or re.match(r"[^.\[]*(?:\[\d+\])?", path).group()  # e.g. tools[0]
+            at = path if len(path) <= 100 else path[:100] + "…"
+            raise RequestError(f"'{top}' nests arrays and objects more than {MAX_JSON_DEPTH} levels deep (at {at})",
+                               param=top)
+        children = []  # pushed in reverse, so that the first problem in reading order is found first
+        for k, v in (enumerate(item) if isinstance(item, list) else item.items()):
+            if isinstance(k, int):
+                children.append((v, depth + 1, f"{path}[{k}]"))
+                continue
+            name = f"{path}.{_printable(k)}" if path else _printable(k)
+            if _SURROGATE.search(k):
+                raise RequestError(f"the key '{name}' holds a lone UTF-16 surrogate, which is not Unicode text",
+                                   param=name)
+            children.append((v, depth + 1, name))
+        stack.extend(reversed(children))
+
+
 # -- requests ------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -122,8 +202,8 @@ def _sampling(body: dict, model: Model, max_token_names: tuple[str, ...], top_lo
     for name in max_token_names:
         value = _field(body, name, (int,))
         if value is not None:
-            if value < 1:
-                raise RequestError(f"'{name}' must be at least 1, got {value}", param=name)
+            if not 1 <= value <= INT32_MAX:
+                raise RequestError(f"'{name}' must be in [1, {INT32_MAX}], got {value}", param=name)
             max_tokens = value
             break
     for name, kinds in (("n", (int,)), ("best_of", (int,))):
@@ -176,14 +256,18 @@ def _history_tool_call(call, where: str) -> dict:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise RequestError(f"'{where}' must be an object with function.name", param=where)
     args = fn.get("arguments", "{}")
+    param = where + ".function.arguments"
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = json.loads(args, parse_constant=_reject_constant) if args.strip() else {}
+        except RecursionError:
+            raise RequestError(f"'{param}' nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+                               param=param) from None
         except ValueError as e:
-            raise RequestError(f"'{where}.function.arguments' is not valid JSON: {e}",
-                               param=where + ".function.arguments") from e
+            raise RequestError(f"'{param}' is not valid JSON: {e}", param=param) from e
+        check_json_value(args, param)
     if not isinstance(args, dict):
-        raise RequestError(f"'{where}.function.arguments' must be a JSON object", param=where + ".function.arguments")
+        raise RequestError(f"'{param}' must be a JSON object", param=param)
     out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
     if isinstance(call.get("id"), str):
         out["id"] = call["id"]
@@ -402,6 +486,7 @@ class Engine:
         self._closing = False
         self._thread: threading.Thread | None = None
         self._token_text: dict[int, str] = {}
+        model.tokenizer.min_tokens("")  # reads the vocabulary once, at start-up
         nl = model.tokenizer.encode("\n")
         self._turn_end = (model.tokenizer.token_to_id("<|im_end|>"), nl[0] if len(nl) == 1 else None)
 
@@ -464,6 +549,19 @@ class Engine:
         else:  # the client went away: nobody reads this
             job.emit("error", RequestError("cancelled", status=499))
 
+    def check_prompt_length(self, n: int, param: str, *, at_least: bool = False) -> None:
+        """Refuses a prompt of `n` tokens (or more, `at_least`) that leaves no room to generate."""
+        if n >= self.max_context:
+            raise RequestError(f"This model's maximum context length is {self.max_context} tokens, and the prompt "
+                               f"has {'at least ' if at_least else ''}{n} tokens (at least one must be left to "
+                               "generate).", param=param, code="context_length_exceeded")
+
+    def check_prompt_text(self, text: str, param: str) -> None:
+        """Refuses a prompt text that surely has too many tokens, without tokenising it (Tokenizer.min_tokens: a
+        linear-time lower bound), so that an absurdly long prompt never reaches the worker. Thread-safe."""
+        if len(text) >= self.max_context:  # shorter texts are checked exactly, by the worker
+            self.check_prompt_length(self.model.tokenizer.min_tokens(text), param, at_least=True)
+
     def _serve(self, job: Job) -> None:
         try:
             self.model.check_files()  # a weights file overwritten under the model: refuse, do not crash
@@ -473,10 +571,7 @@ class Engine:
         n = len(prompt.ids)
         if n == 0:
             raise RequestError("the prompt is empty", param=job.prompt_param)
-        if n >= self.max_context:
-            raise RequestError(f"This model's maximum context length is {self.max_context} tokens, and the prompt "
-                               f"has {n} tokens (at least one must be left to generate).",
-                               param=job.prompt_param, code="context_length_exceeded")
+        self.check_prompt_length(n, job.prompt_param)
         params = job.sampling.build(self.model, self.max_context - n)
         job.emit("accepted", prompt)
         t0 = time.perf_counter()
@@ -501,8 +596,8 @@ class Engine:
             self._cancelled(job)
             return
         usage = Usage(n, cached, last.generation_tokens, last.finish_reason)
+        self._record(usage, t_first - t0, t_end - t_first)  # before the response ends: a scrape after it sees it
         job.emit("done", usage)
-        self._record(usage, t_first - t0, t_end - t_first)
         self._remember()  # the state after the reply: the next turn may extend it
 
     def _turn_ends(self, ids: list[int]) -> list[int]:
@@ -535,7 +630,7 @@ class Engine:
                 if self._closing or job.cancelled.is_set():
                     return None
                 step = min(end, pos + chunk)
-                s.prefill(ids[pos:step])
+                s.feed(ids[pos:step])  # no logits: nobody reads them (the generation prefills the last token)
                 pos = step
             if end in turn_ends:
                 self._remember()
@@ -659,17 +754,17 @@ class _Api:
         return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())
 
     async def _body(self, request) -> dict:
+        too_long = RequestError(f"the request body exceeds {MAX_BODY_BYTES} bytes", status=413)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise too_long
         data = bytearray()
         async for piece in request.stream():
             data += piece
             if len(data) > MAX_BODY_BYTES:
-                raise RequestError(f"the request body exceeds {MAX_BODY_BYTES} bytes", status=413)
-        try:
-            body = json.loads(bytes(data))
-        except ValueError as e:
-            raise RequestError(f"the request body is not valid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise RequestError(f"the request body must be a JSON object, got {_json_type(body)}")
+                raise too_long
+        # A large body is parsed off the event loop, so that other streams go on meanwhile.
+        body = parse_body(bytes(data)) if len(data) < 1 << 20 else await asyncio.to_thread(parse_body, bytes(data))
         model = _field(body, "model", (str,))
         if model is not None and model != self.model_id:
             raise RequestError(f"the model '{model}' does not exist: this server serves '{self.model_id}'",
@@ -716,11 +811,13 @@ class _Api:
         model = self.engine.model
         req = parse_chat_request(await self._body(request), model)
 
-        def prompt_fn(m: Model) -> Prompt:
-            text = render_chat(m, req)
-            return Prompt(m.tokenizer.encode(text), text)
+        def render() -> str:
+            text = render_chat(model, req)
+            self.engine.check_prompt_text(text, "messages")
+            return text
 
-        job = Job(prompt_fn, req.sampling, "messages")
+        text = await asyncio.to_thread(render)  # a long conversation renders off the event loop, not in the worker
+        job = Job(lambda m: Prompt(m.tokenizer.encode(text), text), req.sampling, "messages")
         prompt, watcher = await self._start(request, job)
         parser = OutputParser(reasoning=prompt_opens_thinking(prompt.text), tools=req.tools)
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
@@ -805,6 +902,7 @@ class _Api:
         model = self.engine.model
         req = parse_completion_request(await self._body(request), model)
         if isinstance(req.prompt, str):
+            await asyncio.to_thread(self.engine.check_prompt_text, req.prompt, "prompt")
             job = Job(lambda m: Prompt(m.tokenizer.encode(req.prompt), req.prompt), req.sampling, "prompt")
         else:
             job = Job(lambda m: Prompt(list(req.prompt), m.tokenizer.decode(req.prompt)), req.sampling, "prompt")
