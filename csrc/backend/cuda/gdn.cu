@@ -30,13 +30,20 @@
 //            chunks of kScanChunk, double buffered with cp.async; y is staged in shared memory and written 16 bytes
 //            at a time per chunk.
 //            Real model: 32 heads × 4 row blocks = 128 blocks; the state is read and written once per call.
+//          chunked scan (T ≥ kChunkMinT, switch gdn_chunked): see "chunked prefill" below (the WY form per 64 tokens,
+//            gdn_wy_kernel then gdn_chunk_scan_kernel on the tensor cores).
 //          norm: one warp per (token, value head), 4 adjacent values per lane per 128.
 // Checks   conv: C % 4 == 0, 1 ≤ K ≤ 9, T ≥ 0, x/out/state 8-byte aligned.  scan: DK ∈ {32, 64, 128}, DV % 8 == 0,
 //          NV % NK == 0, c and y 16-byte aligned, state 16-byte aligned.  norm: DV % 4 == 0, DV ≤ 256.
 // Ref      cpu/gdn.cpp (conv, scan), cpu/norm.cpp (gdn_norm)
-// History  v1 (this), H200, real shapes, per call (stream-timed, launch included): conv 5 µs (T=1), 33 µs (512),
+// History  v1, H200, real shapes, per call (stream-timed, launch included): conv 5 µs (T=1), 33 µs (512),
 //          168 µs (4096); scan (prep + scan) 8–10 µs (T=1), 156 µs (512), 1.22 ms (4096; 1 row per thread: 1.39 ms,
-//          4 rows: 1.71 ms); gdn_norm 4.7 µs (T=1), 62 µs (4096)
+//          4 rows: 1.71 ms); gdn_norm 4.7 µs (T=1), 62 µs (4096).
+//          v2 (current, 2026-12-01) the chunked scan for T ≥ 16, ncu at T = 4096: gdn_wy 337 µs + gdn_chunk_scan
+//          376 µs per layer (the token scan: 1.19 ms); +9.6 % on a 4K prompt. Tried and removed: the chunk scan in fp32
+//          SIMT, 8 lanes per state row (1.55 ms: 64 latency-bound steps per chunk); one fused kernel for a decode
+//          token (conv, norms, gates, state, gated norm; arrival counters): 9.2 µs against 4 kernels of 15 µs in ncu,
+//          no gain in the replayed step (+0.3 %).
 #include "backend/cuda/ops.cuh"
 
 namespace lily::cuda {

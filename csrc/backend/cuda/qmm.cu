@@ -29,8 +29,9 @@
 // Checks   bits 4|8; group 32|64|128; K % group == 0; 16-byte aligned W and x; qmm W.E == 1; moe B like A;
 //          offsets non-decreasing with offsets[E] − offsets[0] ≤ max_rows (not checkable on the host).
 // Ref      cpu/qmm.cpp (qmm), cpu/moe.cpp (experts) · Test tests/ops (op qmm, T > 8; op moe)
-// History  v1 (current): H200, T=4096, ncu: qmm 8192×2048 265 µs (130 TFLOP/s), moe_gemm gate+up 869 µs / down 448 µs
-//          per layer (158 / 153 TFLOP/s). Tried and removed: dequantising tile k+1 a quarter at a time between the k16
+// History  v1 (current): H200, T=4096, ncu: qmm 8192×2048 265 µs (518 TFLOP/s; 268 averaged over the model's dense
+//          projections), moe_gemm gate+up 869 µs / down 448 µs per layer (158 / 153 TFLOP/s) with 64-row tiles, 706 /
+//          387 µs with 128-row tiles from 96 rows per expert (switch moe_tiles_128, 2026-12-01: +8 % on a 4K prompt). Tried and removed: dequantising tile k+1 a quarter at a time between the k16
 //          steps of tile k's MMAs (issue overlap): 262 µs / 889 µs / 473 µs, no gain (2026-12-01).
 #include "backend/cuda/gemm.cuh"
 #include "backend/cuda/ops.cuh"

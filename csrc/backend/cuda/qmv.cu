@@ -20,7 +20,9 @@
 //          of x staging fit in shared memory (T=1 K=2048: 8.3 KB; T=8 K=4096: 132 KB). Scales may be negative.
 // Ref      cpu/qmm.cpp (qmv, qmm) · Test tests/ops (op qmm, T ≤ 8)
 // History  v1 one matrix per launch · v2 up to 4 matrices sharing x in one launch (the GDN and attention input
-//          projections: 3 launches fewer per layer) (current)
+//          projections: 3 launches fewer per layer) · v3 (current, 2026-12-01) T = 1 on qmv_stream_kernel (switch
+//          qmv_stream: persistent warps, two units in flight): +2.6 % decode at 4K; weights loaded before the PDL
+//          wait. Tried and removed: the input RMSNorm computed in the prologue of every block (−14.7 % decode).
 #include <utility>
 
 #include "backend/cuda/gemm.cuh"
