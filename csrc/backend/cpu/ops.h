@@ -25,8 +25,8 @@ constexpr int kLanes = 16;  // columns of one gemm tile: weight rows (qmm), quer
 void gemm(const float* x, size_t xi, size_t xk, int n, const float* w, size_t ws, int K, float* y, size_t ys,
           int cols);
 
-// Dequantizes row n of W (one matrix, E = 1) into out[k · stride] for k < K (architecture.md §9.3).
-void dequant_row(const QMatrix& W, int n, float* out, size_t stride = 1);
+// Dequantizes row n of W (one matrix, E = 1) into out[K] (architecture.md §9.3).
+void dequant_row(const QMatrix& W, int n, float* out);
 
 void embed(const QMatrix& table, const int32_t* tokens, int T, float* x);
 // y [T, N] = x [T, K] · Wᵀ; row tiles split across threads (nested calls run on the calling thread).

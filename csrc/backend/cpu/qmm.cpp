@@ -21,16 +21,17 @@
 namespace lily::cpu {
 namespace {
 
+// Groups g0 .. g1-1 of row n of W: element k of that range goes to out[k · stride].
 template <int kBits>
-void dequant_row_bits(const QMatrix& W, int n, float* out, size_t stride) {
+void dequant_groups(const QMatrix& W, int n, size_t g0, size_t g1, float* out, size_t stride) {
   constexpr int kPerWord = 32 / kBits;
   constexpr uint32_t kMask = (1u << kBits) - 1u;
   const int words_per_group = W.group / kPerWord;
-  const uint32_t* w = W.w + size_t(n) * W.words_per_row();
+  const uint32_t* w = W.w + size_t(n) * W.words_per_row() + g0 * words_per_group;
   const uint16_t* s = W.scales + size_t(n) * W.groups_per_row();
   const uint16_t* b = W.biases + size_t(n) * W.groups_per_row();
   size_t k = 0;
-  for (size_t g = 0; g < W.groups_per_row(); ++g) {
+  for (size_t g = g0; g < g1; ++g) {
     const float sg = bf16_to_f32(s[g]), bg = bf16_to_f32(b[g]);
     for (int i = 0; i < words_per_group; ++i) {
       uint32_t word = *w++;
@@ -39,15 +40,17 @@ void dequant_row_bits(const QMatrix& W, int n, float* out, size_t stride) {
   }
 }
 
-}  // namespace
-
-void dequant_row(const QMatrix& W, int n, float* out, size_t stride) {
+void dequant_groups(const QMatrix& W, int n, size_t g0, size_t g1, float* out, size_t stride) {
   LILY_ASSERT(W.bits == 4 || W.bits == 8, "quantized matrix with ", W.bits, " bits reached the CPU backend");
   if (W.bits == 4)
-    dequant_row_bits<4>(W, n, out, stride);
+    dequant_groups<4>(W, n, g0, g1, out, stride);
   else
-    dequant_row_bits<8>(W, n, out, stride);
+    dequant_groups<8>(W, n, g0, g1, out, stride);
 }
+
+}  // namespace
+
+void dequant_row(const QMatrix& W, int n, float* out) { dequant_groups(W, n, 0, W.groups_per_row(), out, 1); }
 
 void qmm(const QMatrix& W, const float* x, int T, float* y) {
   const int64_t tiles = ceil_div(W.N, kLanes);
@@ -55,9 +58,12 @@ void qmm(const QMatrix& W, const float* x, int T, float* y) {
     std::vector<float> wt(size_t(W.K) * kLanes);  // the tile, k-major: wt[k · kLanes + r]
     for (int64_t i = i0; i < i1; ++i) {
       const int n0 = int(i) * kLanes, rows = std::min(kLanes, W.N - n0);
-      for (int r = 0; r < rows; ++r) dequant_row(W, n0 + r, wt.data() + r, kLanes);
-      for (int r = rows; r < kLanes; ++r)
-        for (int k = 0; k < W.K; ++k) wt[size_t(k) * kLanes + r] = 0.0f;
+      for (size_t g = 0; g < W.groups_per_row(); ++g) {  // group by group: the tile's lines stay in L1 meanwhile
+        float* wg = wt.data() + g * W.group * kLanes;
+        for (int r = 0; r < rows; ++r) dequant_groups(W, n0 + r, g, g + 1, wg + r, kLanes);
+        for (int r = rows; r < kLanes; ++r)
+          for (int k = 0; k < W.group; ++k) wg[size_t(k) * kLanes + r] = 0.0f;
+      }
       gemm(x, W.K, 1, T, wt.data(), kLanes, W.K, y + n0, W.N, rows);
     }
   });
