@@ -10,6 +10,7 @@
 //         then Oᵀ = Vᵀ·P, with the causal softmax per row in between (masked keys get probability 0, which adds
 //         nothing). Every sum runs over the head dimension or the keys in order, as a per-query loop would. Blocks
 //         are split across threads; q/k preparation is split by token.
+// History v1 one (token, head) per task, scalar dot products · v2 16 query rows per block through gemm (current).
 #include <cmath>
 #include <vector>
 

@@ -9,6 +9,7 @@
 //         whole kLanes blocks, so that the DV rows of S are vector lanes: per token and per block of kLanes rows,
 //         one pass over k decays S and reads u = S·k̂, a second writes δ ⊗ k̂ and reads y = S·q̂. Each row's sums
 //         run over k in order, as a row-by-row loop would; the copy back ends the call.
+// History v1 row by row of S, scalar dot products · v2 transposed state, 16 rows per vector pass (current).
 #include <cmath>
 #include <vector>
 

@@ -5,7 +5,7 @@
 // Math    y[i, c] = Σ_{k<K} x[i, k] · w[k, c], each sum over k in order (the same fp32 sum as a plain dot product).
 // Mapping 4 rows of x at a time: 4 × kLanes accumulators; per k, 4 scalars of x times one kLanes-wide row of w. The
 //         lane loops are unrolled so that the compiler vectorises across columns; no sum is reordered.
-// Cost    2·n·K·kLanes FLOP for (n + kLanes)·K loads; ~25–40 GFLOP/s per core with 128-bit vectors (the x86-64 baseline).
+// Cost    2·n·K·kLanes FLOP for (n + kLanes)·K loads; 25–30 GFLOP/s per core with 128-bit vectors (x86-64 baseline).
 #include "backend/cpu/ops.h"
 
 namespace lily::cpu {

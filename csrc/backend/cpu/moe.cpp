@@ -8,6 +8,8 @@
 //         dequantised once per block), experts split across threads. The shared expert is three qmm over the whole
 //         block. Expert outputs land in per-slot rows and are combined per token in top-k order, so every token's
 //         result is the same whatever the block it came in.
+// History v1 token by token, each token's experts dequantised again (prefill cost what decode did) · v2 grouped by
+//         expert, one small GEMM per expert per block (current; tiny model 67 → 3,286 tok/s at 512 tokens).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
