@@ -59,8 +59,9 @@ def decode_bytes(c: dict, context: int) -> float:
 
 
 def prefill_flops(c: dict, length: int) -> float:
-    """FLOPs of prefilling `length` tokens from an empty state: every active matrix once per token, causal
-    attention over the growing context, and the lm_head for the last token only."""
+    """FLOPs of prefilling `length` tokens from an empty state: every active matrix once per token, the Gated
+    DeltaNet recurrence and conv, causal attention over the growing context, and the lm_head for the last token only
+    (architecture.md §10: 21.8 TFLOP for 4096 tokens)."""
     H, L = c["hidden_size"], c["num_hidden_layers"]
     n_attn = L // c["full_attention_interval"]
     NH, NKV, HD = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
@@ -71,7 +72,9 @@ def prefill_flops(c: dict, length: int) -> float:
     attn = 2 * NH * HD * H + 2 * NKV * HD * H + NH * HD * H
     gdn = (2 * NK * DK + NV * DV) * H + NV * DV * H + 2 * NV * H + H * NV * DV
     moe = E * H + H + 3 * k * I * H + 3 * IS * H
-    per_token = 2 * (n_attn * attn + (L - n_attn) * gdn + L * moe)
+    # + per GDN layer the delta rule (~7 FLOP per state element) and the causal conv (2 per tap and channel)
+    recurrence = 7 * NV * DV * DK + 2 * c.get("linear_conv_kernel_dim", 4) * (2 * NK * DK + NV * DV)
+    per_token = 2 * (n_attn * attn + (L - n_attn) * gdn + L * moe) + (L - n_attn) * recurrence
     return per_token * length + 4 * NH * HD * n_attn * length * (length + 1) / 2 + 2 * c["vocab_size"] * H
 
 
@@ -148,7 +151,8 @@ def plot(result: dict, path: Path) -> bool:
     for ax in (a, b):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Lily on {result['device']} ({result['backend']}): {result['model']}")
+    model = "Qwen3.6-35B-A3B geometry, random 4-bit weights" if result["model"] == "random" else result["model"]
+    fig.suptitle(f"Lily on {result['device']} ({result['backend']}): {model}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,45 @@
+"""`lily bench`: the sweep of the public default path, its JSON and plot, the ablation table, and the roofline sums
+(architecture.md §10) it divides by."""
+import json
+
+import pytest
+
+import lily
+from lily import bench
+from lily.cli import main
+
+
+def test_rooflines_match_the_spec():
+    c = bench.FULL_TEXT_CONFIG
+    assert bench.prefill_flops(c, 4096) == pytest.approx(21.8e12, rel=0.01)
+    assert bench.decode_bytes(c, 4096) == pytest.approx(1.88e9, rel=0.01)
+    assert bench.decode_bytes(c, 131072) == pytest.approx(4.48e9, rel=0.01)
+
+
+def test_bench_measures_the_default_path(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "tiny", "--lengths", "24,40", "--decode-tokens", "8", "--greedy",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    model = lily.load("tiny")
+    assert result["path"] == "default" and result["backend"] == model.backend
+    assert result["prefill_chunk"] == model.core.default_prefill_chunk and result["disabled"] == []
+    assert [r["length"] for r in result["results"]] == [24, 40]
+    for r in result["results"]:
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["decode_greedy_tok_s"] > 0
+        assert r["decode_tokens"] == 8  # EOS ids are ignored: every length generates its count
+        assert r["prefill_tok_s"] == pytest.approx(r["length"] / r["ttft_s"])
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert "L=    24: prefill" in capsys.readouterr().out
+
+
+def test_ablate_writes_one_row_per_switch(tmp_path, capsys):
+    out = tmp_path / "ablation.json"
+    assert main(["bench", "--model", "tiny", "--ablate", "--lengths", "24", "--decode-tokens", "6",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    names = [n for n, _, _ in lily.optimisations()]
+    assert list(result["runs"]) == ["all on", *names]
+    table = capsys.readouterr().out
+    for n in names:
+        assert f"| `{n}` |" in table
