@@ -345,8 +345,11 @@ template <int DK>
   {  // K̂K̂ᵀ → sA, Q̂K̂ᵀ → P: row tile s = sg, column tiles j ≤ s
     const int s = int(sg);
     simdgroup_float8x8 kk[kGdnWySgs], qq[kGdnWySgs];
-    for (int j = 0; j < kGdnWySgs; ++j)
-      if (j <= s) kk[j] = qq[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int j = 0; j < kGdnWySgs; ++j) {
+      if (j > s) continue;
+      kk[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      qq[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
     for (int d = 0; d < DK; d += 8) {
       simdgroup_float8x8 ak, aq;
       simdgroup_load(ak, Q + 8 * s * LDQ + DK + d, LDQ);  // K̂[8s .., d ..]
@@ -467,9 +470,10 @@ template <int DK>
     }
 
     for (int k = 0; k < NT; ++k) {  // Uᵀ·diag(e^{λ_L − λ})
-      simdgroup_float8x8 dk;
+      simdgroup_float8x8 dk, scaled;
       simdgroup_load(dk, sD + 64 * k, 8);
-      simdgroup_multiply(U[k], U[k], dk);
+      simdgroup_multiply(scaled, U[k], dk);
+      U[k] = scaled;
     }
     const simdgroup_float8x8 decay = simdgroup_float8x8(exp(lam_last));  // e^{λ_L}·I
     for (int n = 0; n < ND; ++n) {  // S ← S·e^{λ_L} + Uᵀ·diag(e^{λ_L−λ})·K̂
