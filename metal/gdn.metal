@@ -1,6 +1,7 @@
 // metal/gdn.metal
 // gdn_conv, gdn_scan_dk{32,64,128}, gdn_norm: Gated DeltaNet's causal conv, delta-rule recurrence and gated RMSNorm
-// (architecture.md §5.2–§5.8).
+// (architecture.md §5.2–§5.8); gdn_chunk_prep_dk*, gdn_wy_dk*, gdn_chunk_scan_dk*: the recurrence in chunks of 64
+// tokens for prefill (switch gdn_chunked; backend/policy.h decides when it runs: T ≥ 16 and the shapes it takes).
 //
 // Math     conv:  C[t, c] = silu(Σ_{k<K} w[c, k] · U[t + k, c]),  U = [state (K−1 rows); x];
 //                 state ← last K−1 rows of U
@@ -11,8 +12,11 @@
 //          evaluated per state row i from one pass over the old row (the same function, regrouped):
 //            a_k = S_i·k̂,  a_q = S_i·q̂;  δ_i = β·(v_i − g·a_k);  y_i = g·a_q + δ_i·(k̂·q̂);  S_i ← g·S_i + δ_i·k̂
 //          norm:  o = y / sqrt(mean(y²) + eps) · w · silu(z)     per (token, value head) over DV values
+//          chunked scan: the WY form of "chunked prefill" below (the same function in exact arithmetic).
 // Layout   x, out bf16 [T, C], C = 2·NK·DK + NV·DV = [q heads | k heads | v heads]; conv w fp32 [C, K];
 //          conv_state bf16 [K−1, C]; b, alpha bf16 [T, NV]; state fp32 [NV, DV, DK]; y, z, out bf16 [T, NV·DV].
+//          Chunked scan scratch (backend/scratch.h, Tp = T rounded up to 64): kSlotGdn q̂k̂ fp32 [NK, Tp, 2·DK] and
+//          gates float4 [NV, Tp]; kSlotGdnChunk W1 [NV, Tp, DV], W2 [NV, Tp, DK], P [NV, Tp/64, 64, 64], λ [NV, Tp].
 // Traffic  real shapes (C = 8192, NK=16, NV=32, DK=DV=128), decode T=1:
 //            conv  x 16 KB + w 128 KB + state 48 KB read + 48 KB written + out 16 KB = 0.26 MB → 0.6 µs
 //            scan  state 2.1 MB read + 2.1 MB written + c 16 KB + y 8 KB = 4.2 MB → 10.5 µs
@@ -20,8 +24,14 @@
 //          prefill T=4096: conv 64 MB in + 64 MB out = 128 MB → 0.32 ms;  scan c 64 MB + y 32 MB + state 4 MB
 //          (q, k re-read by each of the 16 threadgroups of a key head, from the cache) → 0.25 ms;  norm 96 MB →
 //          0.24 ms.  Floors on an M3 Max at 400 GB/s.
+//          chunked, T=4096: prep c 32 MB in, q̂k̂ 64 MB out; wy q̂k̂ 64 MB (each key head's read by its 2 value heads,
+//          from the cache) + v 32 MB in, W1 64 + W2 64 + P 32 MB out; chunk scan W1 64 + W2 64 + q̂k̂ 64 + P 32 MB in
+//          (W2, q̂k̂ and P re-read by the 4 row blocks of a head, from the cache) + y 32 MB out ≈ 0.6 GB → 1.5 ms.
 // Work     scan ≈ 7 FLOP per state element per token: 32·128·128·7 = 3.7 MFLOP per token, 15 GFLOP at T=4096
 //          (~1 ms at ~14 TFLOP/s fp32), and sequential in T: 4096 dependent steps.
+//          chunked, per (chunk, value head): wy 1.2 MFLOP (K̂K̂ᵀ, Q̂K̂ᵀ, lower halves) + 1 MFLOP (the solve);
+//          chunk scan 4.2 (U, X2) + 0.6 (P·U) + 2.1 (state) MFLOP; T=4096 (64 chunks × 32 heads): 19 GFLOP, 1.3×
+//          the token-by-token form, on simdgroup matrices, and only 64 dependent steps.
 // Mapping  conv: thread = 4 adjacent channels × a chunk of kGdnConvChunk tokens; the K−1 previous raw rows slide
 //            through registers. Only the chunk-0 thread of a channel reads or writes that channel's state, and it
 //            reads every row it needs (old state, x) before it writes, so there are no races, even for T < K−1.
@@ -35,11 +45,21 @@
 //            one coalesced row block per token, after a second barrier.
 //            Real model: 32 heads × 8 row blocks = 256 threadgroups of 128 threads.
 //          norm: one simdgroup per (token, value head), values lane + 32·m per lane.
+//          chunked scan, three dispatches: gdn_chunk_prep, one simdgroup per (token, key head); gdn_wy, threadgroup
+//            = (chunk, value head), 8 simdgroups: the K̂K̂ᵀ / Q̂K̂ᵀ row tiles on simdgroup matrices, then one thread
+//            per column of the triangular solve; gdn_chunk_scan, threadgroup = (value head, 32 state rows), 4
+//            simdgroups each holding 8 state rows as DK/8 simdgroup_float8x8 for the whole call, the chunk's
+//            products in transposed form (rows = state rows), operands loaded from device memory, y staged in
+//            threadgroup memory. Real model: 32 heads × 4 row blocks = 128 threadgroups of 128 threads; wy T/64 × 32
+//            threadgroups of 256. Threadgroup memory: wy 17.9 KB, chunk scan 13.3 KB.
 // Checks   conv: C % 4 == 0, 1 ≤ K ≤ 9, x/out/state 8-byte aligned.  scan: DK ∈ {32, 64, 128}, DV % 16 == 0,
-//          NV % NK == 0.  norm: DV ≤ 256.
+//          NV % NK == 0; chunked also DV % 32 == 0, DV + DK ≤ 256 (else token by token), Tp·C < 2^31.
+//          norm: DV ≤ 256.
 // Ref      cpu/gdn.cpp (conv, scan), cpu/norm.cpp (gdn_norm) · Test tests/metal/test_metal_ops.py
 // History  v1 (this): scan structure of cuda/gdn.cu with the normalisation fused into the scan kernel (no scratch,
-//          one dispatch); not yet timed on Apple hardware
+//          one dispatch); not yet timed on Apple hardware.  v1 + chunked prefill (port of cuda/gdn.cu's gdn_chunked,
+//          which measured +9.6 % prefill at 4K on the H200; simdgroup matrices in fp32 where CUDA uses tf32 mma):
+//          not yet timed on Apple hardware.
 #include "common.h"
 #include "gdn_args.h"
 
@@ -213,6 +233,269 @@ template <int DK>
     for (int m = 0; m < kPer; ++m) state[(h * DV + row0 + r) * DK + int(lane) + 32 * m] = S[r][m];
 }
 
+// ---- chunked prefill (switch gdn_chunked) ---------------------------------------------------------------------------
+// The delta rule in chunks of L = kGdnChunkL = 64 tokens (architecture.md §5, "Prefill algorithms"), as cuda/gdn.cu
+// computes it: per value head and chunk, with λ_t = Σ_{s≤t} ln g_s inside the chunk (λ_t − λ_i ≤ 0 for i ≤ t),
+//   A[t, i] = β_t·e^{λ_t−λ_i}·(k̂_t·k̂_i) (i < t),  W1 = (I + A)⁻¹·diag(β)·V,  W2 = (I + A)⁻¹·diag(β·e^λ)·K̂,
+//   P[t, i] = e^{λ_t−λ_i}·(q̂_t·k̂_i) (i ≤ t)                                              (gdn_wy: all chunks at once)
+// then chunk after chunk, with S [DV, DK] the state at the chunk's start (gdn_chunk_scan: sequential in chunks):
+//   U = W1 − W2·Sᵀ;  Y = diag(e^λ)·Q̂·Sᵀ + P·U;  S ← e^{λ_L}·S + Uᵀ·diag(e^{λ_L−λ})·K̂.
+// gdn_chunk_prep writes q̂, k̂ and the gates for Tp = nc·L tokens: the padding past T has g = 1 (ln g = 0), β = 0 and
+// q̂ = k̂ = 0, so it changes nothing and no kernel after it needs a bound check on the chunk's tokens (v is read only
+// for t < T). Every product runs on simdgroup_float8x8 matrices: fp32 operands and accumulation.
+
+// One simdgroup per (token t < Tp, key head kh): q̂, k̂ into qk[kh, t] (q̂ then k̂, fp32), and the gates of the value
+// heads kh·R .. kh·R + R − 1 into gates[h, t] = (g, β, k̂·q̂, ln g); zeros and (1, 0, 0, 0) for the padding t ≥ T.
+template <int DK>
+[[kernel]] void gdn_chunk_prep(constant GdnKernelArgs& args [[buffer(0)]],
+                               device const ushort* c [[buffer(1)]],
+                               device const ushort* b [[buffer(2)]],
+                               device const ushort* alpha [[buffer(3)]],
+                               device const float* A_log [[buffer(4)]],
+                               device const float* dt_bias [[buffer(5)]],
+                               device float* qk [[buffer(6)]],
+                               device float4* gates [[buffer(7)]],
+                               uint3 tg [[threadgroup_position_in_grid]],
+                               uint sg [[simdgroup_index_in_threadgroup]],
+                               uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int kPer = DK / 32;
+  const int NK = args.NK, NV = args.NV, Tp = args.Tp, R = NV / NK;
+  const int item = int(tg.x) * kGdnPrepSgs + int(sg);
+  if (item >= Tp * NK) return;  // the whole simdgroup; no threadgroup barrier in this kernel
+  const int t = item / NK, kh = item % NK;
+  device float* out = qk + (kh * Tp + t) * (2 * DK);
+  if (t >= args.T) {  // padding of the last chunk (uniform across the simdgroup)
+    for (int m = 0; m < kPer; ++m) out[int(lane) + 32 * m] = out[DK + int(lane) + 32 * m] = 0.0f;
+    for (int j = int(lane); j < R; j += 32) gates[(kh * R + j) * Tp + t] = float4(1.0f, 0.0f, 0.0f, 0.0f);
+    return;
+  }
+  device const ushort* qr = c + t * args.C + kh * DK;
+  device const ushort* kr = qr + NK * DK;
+  float q[kPer], k[kPer], sq = 0.0f, sk = 0.0f;
+  for (int m = 0; m < kPer; ++m) {
+    q[m] = bf16_to_float(qr[int(lane) + 32 * m]);
+    k[m] = bf16_to_float(kr[int(lane) + 32 * m]);
+    sq += q[m] * q[m];
+    sk += k[m] * k[m];
+  }
+  const float rq = (1.0f / sqrt(float(DK))) / sqrt(simd_sum(sq) + 1e-6f);  // q̂ = q / sqrt(Σq² + 1e-6) / sqrt(DK)
+  const float rk = 1.0f / sqrt(simd_sum(sk) + 1e-6f);                      // k̂ = k / sqrt(Σk² + 1e-6)
+  float kq = 0.0f;
+  for (int m = 0; m < kPer; ++m) {
+    q[m] *= rq;
+    k[m] *= rk;
+    out[int(lane) + 32 * m] = q[m];
+    out[DK + int(lane) + 32 * m] = k[m];
+    kq += k[m] * q[m];
+  }
+  kq = simd_sum(kq);
+  for (int j = int(lane); j < R; j += 32) {
+    const int h = kh * R + j;
+    const float beta = sigmoid_f(bf16_to_float(b[t * NV + h]));  // β = σ(b)
+    const float a = bf16_to_float(alpha[t * NV + h]) + dt_bias[h];
+    const float softplus = max(a, 0.0f) + log(1.0f + exp(-fabs(a)));
+    const float lng = -exp(A_log[h]) * softplus;  // ln g = −exp(A_log)·softplus(α + dt_bias), finite even if g = 0
+    gates[h * Tp + t] = float4(exp(lng), beta, kq, lng);
+  }
+}
+
+// Threadgroup = (chunk ch = tg.x, value head h = tg.y), 8 simdgroups. (1) Simdgroup 0: λ and β of the chunk (a simd
+// prefix sum of ln g, two tokens per lane). (2) Simdgroup s: the row tile of tokens 8s .. 8s + 7 of K̂K̂ᵀ (→ A, in
+// threadgroup memory) and of Q̂K̂ᵀ (→ P, in device memory), tiles j ≤ s only (both are lower triangular), operands
+// loaded straight from qk. (3) Every thread scales its elements of A and P by their decays (zero above the diagonal).
+// (4) Thread j solves column j of (I + A)·W = [diag(β)V | diag(β·e^λ)K̂] by forward substitution, w_t = b_t −
+// Σ_{i<t} A[t, i]·w_i, the column in registers, and writes it to W1 (j < DV) or W2.
+template <int DK>
+[[kernel]] void gdn_wy(constant GdnKernelArgs& args [[buffer(0)]],
+                       device const float* qk [[buffer(1)]],
+                       device const float4* gates [[buffer(2)]],
+                       device const ushort* c [[buffer(3)]],
+                       device float* W1 [[buffer(4)]],
+                       device float* W2 [[buffer(5)]],
+                       device float* P [[buffer(6)]],
+                       device float* lam [[buffer(7)]],
+                       uint3 tg [[threadgroup_position_in_grid]],
+                       uint tid [[thread_index_in_threadgroup]],
+                       uint sg [[simdgroup_index_in_threadgroup]],
+                       uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int L = kGdnChunkL, LDA = kGdnWyLda, LDQ = 2 * DK;
+  static_assert(kGdnWySgs * 8 == L, "one row tile of 8 tokens per simdgroup");
+  threadgroup float sA[L * LDA];  // K̂K̂ᵀ, then A
+  threadgroup float sLam[L];      // λ_t
+  threadgroup float sBeta[L];     // β_t
+
+  const int NV = args.NV, NK = args.NK, DV = args.DV, Tp = args.Tp;
+  const int ch = int(tg.x), h = int(tg.y), kh = h / (NV / NK), t0 = ch * L;
+  const int row0 = h * Tp + t0;                         // the chunk's first row in gates, lam, W1, W2
+  device const float* Q = qk + (kh * Tp + t0) * LDQ;    // q̂ of chunk token t at Q[t·LDQ], k̂ at Q[t·LDQ + DK]
+  device float* Pc = P + (h * args.nc + ch) * (L * L);  // P of this chunk, [L, L]
+
+  if (sg == 0) {  // λ_t = Σ_{s≤t} ln g_s: lane l owns tokens 2l, 2l + 1
+    const float4 g0 = gates[row0 + 2 * int(lane)], g1 = gates[row0 + 2 * int(lane) + 1];
+    const float own = g0.w + g1.w;
+    const float before = simd_prefix_inclusive_sum(own) - own;
+    sLam[2 * lane] = before + g0.w;
+    sLam[2 * lane + 1] = before + own;
+    sBeta[2 * lane] = g0.y;
+    sBeta[2 * lane + 1] = g1.y;
+    lam[row0 + 2 * int(lane)] = before + g0.w;
+    lam[row0 + 2 * int(lane) + 1] = before + own;
+  }
+
+  {  // K̂K̂ᵀ → sA, Q̂K̂ᵀ → P: row tile s = sg, column tiles j ≤ s
+    const int s = int(sg);
+    simdgroup_float8x8 kk[kGdnWySgs], qq[kGdnWySgs];
+    for (int j = 0; j < kGdnWySgs; ++j) {
+      if (j > s) continue;
+      kk[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      qq[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+    for (int d = 0; d < DK; d += 8) {
+      simdgroup_float8x8 ak, aq;
+      simdgroup_load(ak, Q + 8 * s * LDQ + DK + d, LDQ);  // K̂[8s .., d ..]
+      simdgroup_load(aq, Q + 8 * s * LDQ + d, LDQ);       // Q̂[8s .., d ..]
+      for (int j = 0; j < kGdnWySgs; ++j) {
+        if (j > s) continue;
+        simdgroup_float8x8 bt;
+        simdgroup_load(bt, Q + 8 * j * LDQ + DK + d, LDQ, ulong2(0, 0), true);  // K̂[8j .., d ..]ᵀ
+        simdgroup_multiply_accumulate(kk[j], ak, bt, kk[j]);
+        simdgroup_multiply_accumulate(qq[j], aq, bt, qq[j]);
+      }
+    }
+    for (int j = 0; j < kGdnWySgs; ++j) {
+      if (j > s) continue;
+      simdgroup_store(kk[j], sA + 8 * s * LDA + 8 * j, LDA);
+      simdgroup_store(qq[j], Pc + 8 * s * L + 8 * j, L);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup | mem_flags::mem_device);
+
+  for (int idx = int(tid); idx < L * L; idx += kGdnWyThreads) {  // decays; entries above the diagonal are never read
+    const int t = idx / L, i = idx % L;
+    const float decay = i <= t ? exp(sLam[t] - sLam[i]) : 0.0f;                   // e^{λ_t − λ_i}
+    sA[t * LDA + i] = i < t ? sBeta[t] * decay * sA[t * LDA + i] : 0.0f;          // A[t, i] = β_t·e^{λ_t−λ_i}·k̂_t·k̂_i
+    Pc[idx] = i <= t ? decay * Pc[idx] : 0.0f;                                     // P[t, i] = e^{λ_t−λ_i}·q̂_t·k̂_i
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // Column j of W = (I + A)⁻¹·B, B = [diag(β)V | diag(β·e^λ)K̂]: w_t = b_t − Σ_{i<t} A[t, i]·w_i.
+  const int v_col = 2 * NK * DK + h * DV;  // v[h, 0] in a row of c
+  for (int j = int(tid); j < DV + DK; j += kGdnWyThreads) {
+    const bool is_v = j < DV;
+    float w[L];
+    for (int t = 0; t < L; ++t) {
+      float acc;
+      if (is_v)
+        acc = t0 + t < args.T ? sBeta[t] * bf16_to_float(c[(t0 + t) * args.C + v_col + j]) : 0.0f;
+      else
+        acc = sBeta[t] * exp(sLam[t]) * Q[t * LDQ + DK + (j - DV)];
+      for (int i = 0; i < t; ++i) acc = fma(-sA[t * LDA + i], w[i], acc);
+      w[t] = acc;
+    }
+    if (is_v)
+      for (int t = 0; t < L; ++t) W1[(row0 + t) * DV + j] = w[t];
+    else
+      for (int t = 0; t < L; ++t) W2[(row0 + t) * DK + (j - DV)] = w[t];
+  }
+}
+
+// Threadgroup = (value head h = tg.x, state rows r0 = kGdnCsRows·tg.y ..), 4 simdgroups; simdgroup s owns the state
+// rows rs = r0 + 8s .. rs + 7 as DK/8 simdgroup matrices for the whole call (the state is read and written once).
+// Chunk after chunk, in transposed form (rows = the simdgroup's state rows, columns = the chunk's tokens):
+//   Uᵀ = W1ᵀ − S·W2ᵀ  and  X2ᵀ = S·Q̂ᵀ  (per 8-token tile m, K = DK);
+//   Yᵀ = X2ᵀ·diag(e^λ) + Uᵀ·Pᵀ  (the tiles k ≤ m of Pᵀ; staged in threadgroup memory, written as bf16);
+//   S ← S·e^{λ_L} + (Uᵀ·diag(e^{λ_L−λ}))·K̂  (K = L).
+// The diagonal matrices come from 8×8 tiles in threadgroup memory; scalars scale through diagonal matrices, and the
+// subtraction multiplies by −I, so every step is a simdgroup matrix operation.
+template <int DK>
+[[kernel]] void gdn_chunk_scan(constant GdnKernelArgs& args [[buffer(0)]],
+                               device const float* qk [[buffer(1)]],
+                               device const float* W1 [[buffer(2)]],
+                               device const float* W2 [[buffer(3)]],
+                               device const float* P [[buffer(4)]],
+                               device const float* lam [[buffer(5)]],
+                               device float* state [[buffer(6)]],
+                               device ushort* y [[buffer(7)]],
+                               uint3 tg [[threadgroup_position_in_grid]],
+                               uint tid [[thread_index_in_threadgroup]],
+                               uint sg [[simdgroup_index_in_threadgroup]]) {
+  constexpr int L = kGdnChunkL, ND = DK / 8, NT = L / 8, LDQ = 2 * DK, LDY = kGdnCsLdy;
+  threadgroup float sE[NT * 64];   // tile m: diag(e^{λ_t}), t = 8m ..
+  threadgroup float sD[NT * 64];   // tile m: diag(e^{λ_L − λ_t})
+  threadgroup float sY[L * LDY];   // Y of the chunk, [token][row of the block]
+
+  const int NV = args.NV, NK = args.NK, DV = args.DV, Tp = args.Tp;
+  const int h = int(tg.x), kh = h / (NV / NK), r0 = kGdnCsRows * int(tg.y), rs = r0 + 8 * int(sg);
+
+  simdgroup_float8x8 S[ND];  // state rows rs .., columns 8d ..
+  for (int d = 0; d < ND; ++d) simdgroup_load(S[d], state + (h * DV + rs) * DK + 8 * d, DK);
+  const simdgroup_float8x8 minus_one = simdgroup_float8x8(-1.0f);  // −I
+
+  for (int ch = 0; ch < args.nc; ++ch) {
+    const int t0 = ch * L, row0 = h * Tp + t0, nt = min(L, args.T - t0);
+    device const float* Q = qk + (kh * Tp + t0) * LDQ;  // q̂ then k̂ of the chunk's tokens
+    device const float* Pc = P + (h * args.nc + ch) * (L * L);
+    const float lam_last = lam[row0 + L - 1];  // λ_L
+    for (int idx = int(tid); idx < NT * 64; idx += kGdnCsThreads) {
+      const int m = idx / 64, a = (idx / 8) % 8, b = idx % 8;
+      const float l = lam[row0 + 8 * m + a];
+      sE[idx] = a == b ? exp(l) : 0.0f;
+      sD[idx] = a == b ? exp(lam_last - l) : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    simdgroup_float8x8 U[NT];  // Uᵀ, token tile m
+    for (int m = 0; m < NT; ++m) {
+      simdgroup_float8x8 ws = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      simdgroup_float8x8 x2 = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (int d = 0; d < ND; ++d) {
+        simdgroup_float8x8 bt;
+        simdgroup_load(bt, W2 + (row0 + 8 * m) * DK + 8 * d, DK, ulong2(0, 0), true);  // W2ᵀ[d, m]
+        simdgroup_multiply_accumulate(ws, S[d], bt, ws);                                // S·W2ᵀ
+        simdgroup_load(bt, Q + 8 * m * LDQ + 8 * d, LDQ, ulong2(0, 0), true);          // Q̂ᵀ[d, m]
+        simdgroup_multiply_accumulate(x2, S[d], bt, x2);                                // X2ᵀ = S·Q̂ᵀ
+      }
+      simdgroup_float8x8 w1;
+      simdgroup_load(w1, W1 + (row0 + 8 * m) * DV + rs, DV, ulong2(0, 0), true);  // W1ᵀ[rows, m]
+      simdgroup_multiply_accumulate(U[m], ws, minus_one, w1);                      // Uᵀ = W1ᵀ − S·W2ᵀ
+      simdgroup_float8x8 e, yt;
+      simdgroup_load(e, sE + 64 * m, 8);
+      simdgroup_multiply(yt, x2, e);  // X2ᵀ·diag(e^λ)
+      for (int k = 0; k <= m; ++k) {  // + Uᵀ·Pᵀ, P[t, i] = 0 for i > t
+        simdgroup_float8x8 pt;
+        simdgroup_load(pt, Pc + 8 * m * L + 8 * k, L, ulong2(0, 0), true);  // Pᵀ[k, m]
+        simdgroup_multiply_accumulate(yt, U[k], pt, yt);
+      }
+      simdgroup_store(yt, sY + 8 * m * LDY + 8 * int(sg), LDY, ulong2(0, 0), true);  // Y[tokens 8m .., rows]
+    }
+
+    for (int k = 0; k < NT; ++k) {  // Uᵀ·diag(e^{λ_L − λ})
+      simdgroup_float8x8 dk, scaled;
+      simdgroup_load(dk, sD + 64 * k, 8);
+      simdgroup_multiply(scaled, U[k], dk);
+      U[k] = scaled;
+    }
+    const simdgroup_float8x8 decay = simdgroup_float8x8(exp(lam_last));  // e^{λ_L}·I
+    for (int n = 0; n < ND; ++n) {  // S ← S·e^{λ_L} + Uᵀ·diag(e^{λ_L−λ})·K̂
+      simdgroup_float8x8 acc;
+      simdgroup_multiply(acc, S[n], decay);
+      for (int k = 0; k < NT; ++k) {
+        simdgroup_float8x8 kt;
+        simdgroup_load(kt, Q + 8 * k * LDQ + DK + 8 * n, LDQ);  // K̂[k, n]
+        simdgroup_multiply_accumulate(acc, U[k], kt, acc);
+      }
+      S[n] = acc;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // Y complete
+    for (int i = int(tid); i < nt * kGdnCsRows; i += kGdnCsThreads) {
+      const int t = i / kGdnCsRows, r = i % kGdnCsRows;
+      y[(t0 + t) * NV * DV + h * DV + r0 + r] = float_to_bf16(sY[t * LDY + r]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // sE, sD and sY are rewritten by the next chunk
+  }
+  for (int d = 0; d < ND; ++d) simdgroup_store(S[d], state + (h * DV + rs) * DK + 8 * d, DK);
+}
+
 // ---- gated RMSNorm --------------------------------------------------------------------------------------------------
 
 // Simdgroup = one (token, value head) row of DV values: o = y / sqrt(mean(y²) + eps) · w · silu(z).
@@ -246,3 +529,12 @@ template <int DK>
 template [[host_name("gdn_scan_dk32")]] [[kernel]] decltype(gdn_scan_heads<32>) gdn_scan_heads<32>;
 template [[host_name("gdn_scan_dk64")]] [[kernel]] decltype(gdn_scan_heads<64>) gdn_scan_heads<64>;
 template [[host_name("gdn_scan_dk128")]] [[kernel]] decltype(gdn_scan_heads<128>) gdn_scan_heads<128>;
+template [[host_name("gdn_chunk_prep_dk32")]] [[kernel]] decltype(gdn_chunk_prep<32>) gdn_chunk_prep<32>;
+template [[host_name("gdn_chunk_prep_dk64")]] [[kernel]] decltype(gdn_chunk_prep<64>) gdn_chunk_prep<64>;
+template [[host_name("gdn_chunk_prep_dk128")]] [[kernel]] decltype(gdn_chunk_prep<128>) gdn_chunk_prep<128>;
+template [[host_name("gdn_wy_dk32")]] [[kernel]] decltype(gdn_wy<32>) gdn_wy<32>;
+template [[host_name("gdn_wy_dk64")]] [[kernel]] decltype(gdn_wy<64>) gdn_wy<64>;
+template [[host_name("gdn_wy_dk128")]] [[kernel]] decltype(gdn_wy<128>) gdn_wy<128>;
+template [[host_name("gdn_chunk_scan_dk32")]] [[kernel]] decltype(gdn_chunk_scan<32>) gdn_chunk_scan<32>;
+template [[host_name("gdn_chunk_scan_dk64")]] [[kernel]] decltype(gdn_chunk_scan<64>) gdn_chunk_scan<64>;
+template [[host_name("gdn_chunk_scan_dk128")]] [[kernel]] decltype(gdn_chunk_scan<128>) gdn_chunk_scan<128>;

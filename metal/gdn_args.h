@@ -1,5 +1,6 @@
-// gdn_args.h: the args struct and tiling of metal/gdn.metal (gdn_conv, gdn_scan_dk*, gdn_norm), shared by the kernels
-// and their launchers (csrc/backend/metal/gdn.cpp). Plain C layout with 4-byte fields only, identical in MSL and C++.
+// gdn_args.h: the args struct and tiling of metal/gdn.metal (gdn_conv, gdn_scan_dk*, gdn_norm and the chunked prefill
+// gdn_chunk_prep_dk*, gdn_wy_dk*, gdn_chunk_scan_dk*), shared by the kernels and their launchers
+// (csrc/backend/metal/gdn.cpp). Plain C layout with 4-byte fields only, identical in MSL and C++.
 #pragma once
 
 struct GdnKernelArgs {
@@ -8,6 +9,8 @@ struct GdnKernelArgs {
   int C;               // conv channels = 2·NK·DK + NV·DV (one row of x, out and c)
   int K;               // conv taps (the conv state holds K − 1 rows)
   float eps;           // gated RMSNorm epsilon
+  int Tp;              // chunked prefill: T rounded up to whole chunks (rows per head of its scratch)
+  int nc;              // chunked prefill: chunks, Tp / kGdnChunkL
 };
 
 enum GdnTiling : int {
@@ -22,4 +25,15 @@ enum GdnTiling : int {
   kGdnScanMaxDK = 128,
   kGdnNormSgs = 8,        // simdgroups (rows) per gdn_norm threadgroup
   kGdnNormMaxPer = 8,     // values per lane: DV ≤ 256
+  // The chunked prefill (switch gdn_chunked; the launcher asserts these equal backend/policy.h's kGdnChunk,
+  // kGdnChunkRows and kGdnChunkMaxCols, which decide when it runs).
+  kGdnChunkL = 64,        // tokens per chunk
+  kGdnPrepSgs = 8,        // gdn_chunk_prep: simdgroups (token, key head items) per threadgroup
+  kGdnWySgs = 8,          // gdn_wy: simdgroups per threadgroup, one row tile of 8 tokens each
+  kGdnWyThreads = 32 * kGdnWySgs,  // and one column of [V | K̂] per thread in the solve: DV + DK ≤ 256
+  kGdnWyLda = kGdnChunkL + 4,      // row pitch of A in threadgroup memory
+  kGdnCsSgs = 4,          // gdn_chunk_scan: simdgroups per threadgroup, 8 state rows each
+  kGdnCsRows = 8 * kGdnCsSgs,      // state rows per threadgroup
+  kGdnCsThreads = 32 * kGdnCsSgs,
+  kGdnCsLdy = kGdnCsRows + 4,      // row pitch of the staged y tile
 };

@@ -26,18 +26,23 @@
 //          4 simdgroups × 4 rows; a simdgroup computes its rows completely: for each slot in order (routed, then
 //          shared) the lanes dot their blocks of h[t, j] with W_down[e_j] rows, weight the partial by ŵ or γ,
 //          and one simd_sum per row ends it: no atomics, a fixed order.
-//          Prefill: moe_hist (tile of 256 pairs per threadgroup: each pair's rank among the earlier pairs of
-//          its expert in the simdgroup by 32 simd_shuffles, per-simdgroup counts in threadgroup memory, the
-//          tile's histogram) → moe_scan (one threadgroup, thread e: the running sum of expert e over the tiles,
-//          then a simd prefix scan over experts = offsets) → moe_scatter (the same ranks: pair p = t·k + j lands
-//          at offsets[e] + tile_base[tile, e] + rank, so each expert's rows are in increasing p) → moe_gemm
+//          Prefill: the sort, with the switch moe_sort_scan (the CUDA one's port) moe_sort_scan (one threadgroup
+//          of 1024 threads: histogram by threadgroup atomics, simd prefix scan over the experts = offsets, cursor
+//          scatter), without it moe_hist (tile of 256 pairs per threadgroup: each pair's rank among the earlier
+//          pairs of its expert in the simdgroup by 32 simd_shuffles, per-simdgroup counts in threadgroup memory,
+//          the tile's histogram) → moe_scan (one threadgroup, thread e: the running sum of expert e over the
+//          tiles, then a simd prefix scan over experts = offsets) → moe_scatter (the same ranks: pair p = t·k + j
+//          lands at offsets[e] + tile_base[tile, e] + rank, so each expert's rows are in increasing p) → moe_gemm
 //          gate+up, moe_gemm down (qmm.metal) → shared expert by qmm, moe_swiglu, qmm → moe_combine (thread
 //          per output, Σ_j ŵ·yd[pos] in slot order, then γ·s).
-// Checks   (launcher) bits 4/8; group % 8 == 0 and K % group == 0 (a block of 8 codes stays in one group);
-//          H, I, IS % 8 == 0; 1 ≤ top_k ≤ min(E, 32); E ≤ 256; m 16-byte aligned; 32-bit indices suffice.
+// Checks   (launcher: backend/checks.h check_moe, then these kernels' own) bits 4/8; group % 8 == 0 and
+//          K % group == 0 (a block of 8 codes stays in one group); H, I, IS % 8 == 0; 1 ≤ top_k ≤ min(E, 32);
+//          E ≤ 256; m and out 16-byte aligned; 32-bit indices suffice.
 //          Decode also needs one bit width for gate/up/shared gate/up and one for down/shared down (else prefill).
 // Ref      cpu/moe.cpp · Test tests/ops/cases.py op="moe" via tests/metal · Launcher csrc/backend/metal/moe.cpp
-// History  v1 (this)
+// History  v1 (this); v1 + moe_sort_scan (the CUDA switch of the same name, ported: one dispatch instead of three for
+//          the sort; not yet timed on Apple hardware, where the three-dispatch sort it replaces was already one pass
+//          over the pairs, unlike CUDA's pass per expert)
 #include "common.h"
 #include "moe_args.h"
 
@@ -375,6 +380,55 @@ inline uint tile_rank(uint id, int E, uint tid, uint sg, uint lane, threadgroup 
   if (id < uint(a.E)) {
     for (uint s = 0; s < sg; ++s) rank += cnt[s * MOE_MAX_EXPERTS + id];
     const int r = offsets[id] + tile_base[int(tg) * a.E + int(id)] + int(rank);
+    rows[r] = p / a.k;
+    pos[p] = r;
+  }
+}
+
+// Switch moe_sort_scan: the same offsets, rows and pos from one threadgroup of MOE_SORT_SCAN_THREADS threads, in one
+// dispatch instead of three: a histogram of the expert ids in threadgroup memory (atomic adds), an exclusive scan over
+// the experts (simdgroup 0, MOE_MAX_EXPERTS / 32 experts per lane) that gives offsets, then each pair p = t·k + j takes
+// the next free row of its expert through a threadgroup cursor: rows[r] = t, pos[p] = r. The order of an expert's
+// rows then depends on the order the threads run in; every row is computed on its own (moe_gemm) and the combine
+// reads each pair's row through pos, so no output does.
+[[kernel]] void moe_sort_scan(
+    constant MoeSortArgs& a [[buffer(0)]],
+    device const int* ids [[buffer(1)]],
+    device int* offsets [[buffer(2)]],
+    device int* rows [[buffer(3)]],
+    device int* pos [[buffer(4)]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int kPer = MOE_MAX_EXPERTS / 32;
+  threadgroup atomic_int count[MOE_MAX_EXPERTS];
+  threadgroup atomic_int cursor[MOE_MAX_EXPERTS];
+  for (int e = int(tid); e < a.E; e += MOE_SORT_SCAN_THREADS) atomic_store_explicit(&count[e], 0, memory_order_relaxed);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int p = int(tid); p < a.P; p += MOE_SORT_SCAN_THREADS)
+    atomic_fetch_add_explicit(&count[ids[p]], 1, memory_order_relaxed);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (sg == 0) {  // exclusive scan: lane l owns experts kPer·l .. kPer·l + kPer − 1
+    int v[kPer], own = 0;
+    for (int i = 0; i < kPer; ++i) {
+      const int e = int(lane) * kPer + i;
+      v[i] = e < a.E ? atomic_load_explicit(&count[e], memory_order_relaxed) : 0;
+      own += v[i];
+    }
+    int run = simd_prefix_exclusive_sum(own);
+    for (int i = 0; i < kPer; ++i) {
+      const int e = int(lane) * kPer + i;
+      if (e < a.E) {
+        atomic_store_explicit(&cursor[e], run, memory_order_relaxed);
+        offsets[e] = run;
+      }
+      run += v[i];
+    }
+    if (lane == 31) offsets[a.E] = run;  // = P
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int p = int(tid); p < a.P; p += MOE_SORT_SCAN_THREADS) {
+    const int r = atomic_fetch_add_explicit(&cursor[ids[p]], 1, memory_order_relaxed);
     rows[r] = p / a.k;
     pos[p] = r;
   }

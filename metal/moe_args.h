@@ -7,6 +7,8 @@
 #define MOE_MAX_EXPERTS 256
 // Pairs (token, slot) per threadgroup of the sort kernels: one per thread, 8 simdgroups.
 #define MOE_SORT_TILE 256
+// Threads of the one threadgroup of moe_sort_scan (switch moe_sort_scan).
+#define MOE_SORT_SCAN_THREADS 1024
 // Decode kernels: simdgroups per threadgroup and rows per simdgroup (a threadgroup covers 16 rows).
 #define MOE_DECODE_SIMDGROUPS 4
 #define MOE_DECODE_ROWS 4
@@ -30,10 +32,10 @@ struct MoeDecodeArgs {
   int gate_group, up_group, sgate_group, sup_group, down_group, sdown_group;
 };
 
-// moe_hist, moe_scan, moe_scatter: the expert-sorted order of the P = T·k (token, slot) pairs.
+// moe_hist, moe_scan, moe_scatter (and moe_sort_scan): the expert-sorted order of the P = T·k (token, slot) pairs.
 struct MoeSortArgs {
   int P, k, E;
-  int tiles;       // ceil(P / MOE_SORT_TILE)
+  int tiles;       // ceil(P / MOE_SORT_TILE) (moe_sort_scan: unused)
 };
 
 // moe_swiglu: h = silu(g)·u over n values.

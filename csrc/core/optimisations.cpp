@@ -8,10 +8,12 @@ const std::vector<OptInfo>& optimisation_table() {
   static const std::vector<OptInfo> table = {
       {Opt::pdl, "pdl", "cuda",
        "decode step: programmatic dependent launch, each kernel loads its weights while the previous one drains"},
-      {Opt::gdn_chunked, "gdn_chunked", "cuda",
-       "Gated DeltaNet prefill: chunks of 64 tokens in the WY form on tensor cores, not token by token"},
-      {Opt::moe_sort_scan, "moe_sort_scan", "cuda",
-       "MoE prefill: routed rows sorted by one histogram and scan instead of one pass over them per expert"},
+      {Opt::gdn_chunked, "gdn_chunked", "cuda,metal",
+       "Gated DeltaNet prefill: chunks of 64 tokens in the WY form on tensor cores / simdgroup matrices, not token "
+       "by token"},
+      {Opt::moe_sort_scan, "moe_sort_scan", "cuda,metal",
+       "MoE prefill: routed rows sorted by one histogram and scan in one block (CUDA: instead of one pass over them "
+       "per expert; Metal: one dispatch instead of three)"},
       {Opt::qmv_stream, "qmv_stream", "cuda",
        "decode GEMV: persistent warps stream two-row units (two in flight each) instead of one wave of row blocks"},
       {Opt::moe_tiles_128, "moe_tiles_128", "cuda",

@@ -10,11 +10,16 @@
 namespace lily {
 
 enum class Opt : int {
-  pdl,               // CUDA: programmatic dependent launch in the replayed decode step (weights load early)
-  gdn_chunked,       // CUDA: Gated DeltaNet prefill in chunks of 64 tokens on tensor cores (WY form)
-  moe_sort_scan,     // CUDA: MoE prefill routing sorted by one histogram + scan instead of a pass per expert
-  qmv_stream,        // CUDA: decode GEMV as persistent warps streaming two-row units, two in flight each
-  moe_tiles_128,     // CUDA: MoE prefill GEMMs in 128-row tiles from 96 rows per expert (else from 256)
+  pdl,               // CUDA: programmatic dependent launch in the replayed decode step (weights load early). Metal
+                     //   has no equivalent: a dispatch that reads an earlier one's output starts after the encoder's
+                     //   barrier (metal_backend.mm), and only independent dispatches overlap
+  gdn_chunked,       // CUDA, Metal: Gated DeltaNet prefill in chunks of 64 tokens (WY form) on tensor cores /
+                     //   simdgroup matrices; the rule of when it runs is backend/policy.h's gdn_chunked
+  moe_sort_scan,     // CUDA, Metal: MoE prefill routing sorted by one histogram + scan in one block
+  qmv_stream,        // CUDA: decode GEMV as persistent warps streaming two-row units, two in flight each (not on Metal:
+                     //   benchmarks/NOTES.md, Metal)
+  moe_tiles_128,     // CUDA: MoE prefill GEMMs in 128-row tiles from 96 rows per expert (else from 256); Metal's
+                     //   grouped GEMM picks its own 16/32-row tiles (metal/qmm.metal)
   kCount
 };
 

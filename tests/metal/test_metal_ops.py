@@ -2,8 +2,10 @@
 backend, with the tolerance check of the CUDA op test (tests/ops/cases.py: check).
 
 Every case runs in forward, reverse and random thread order (conftest.py: thread_order), and once more (forward) in
-the ASan/UBSan build (test_asan.py). A kernel that does not exist yet fails its cases with "Metal kernel '<name>' is not
-implemented"; a kernel that no case dispatches fails test_every_kernel_runs_in_an_op_case.
+the ASan/UBSan build (test_asan.py). The cases where a Metal launcher reads an ablation switch (core/optimisations.h)
+run a second time with every switch off, the plain path the switch falls back to (as the CUDA op test does for every
+case). A kernel that does not exist yet fails its cases with "Metal kernel '<name>' is not implemented"; a kernel that
+no case dispatches fails test_every_kernel_runs_in_an_op_case.
 """
 import secrets
 
@@ -15,11 +17,25 @@ from ops.cases import CASES, check, make
 # Kernels that the op table does not reach, and the test that runs them instead.
 ELSEWHERE = {"sample": "tests/metal/test_metal_sample.py (token selection in the decode loop)"}
 DISPATCHED: set[str] = set()  # kernels the op cases of this session dispatched
-PASSED: set[str] = set()      # the cases that passed in this session (in some order)
+PASSED: set[str] = set()      # the cases that passed in this session (in some order), "<id>" or "<id>/off"
+KERNELS_ON: dict[str, set[str]] = {}  # case id: the kernels its run with every switch on dispatched
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_op_matches_cpu(core, monkeypatch, case, thread_order):
+def _switched(case) -> bool:
+    """Whether a Metal switch changes this case's path: the chunked GDN prefill (gdn_chunked, T ≥ 16, policy.h) and the
+    one-threadgroup MoE sort of the prefill path (moe_sort_scan, T > kQmvMaxT = 8). test_op_matches_cpu_switches_off
+    fails if a case listed here dispatches the same kernels in both positions."""
+    if case.op == "gdn_scan":
+        return case.dims["T"] >= 16
+    return case.op in ("moe", "moe_residual") and case.dims["T"] > 8
+
+
+OFF_CASES = [c for c in CASES if _switched(c)]
+
+
+def _run(core, monkeypatch, case, thread_order, disable: str) -> set[str]:
+    """Runs the case on the CPU and on the Metal kernels (with the switches `disable` off), checks the outputs, and
+    returns the kernels the Metal run dispatched."""
     seed = secrets.randbits(63)
     print(f"rng seed and LILY_METAL_SEED: {seed}")
     monkeypatch.setenv("LILY_METAL_ORDER", thread_order)
@@ -27,16 +43,33 @@ def test_op_matches_cpu(core, monkeypatch, case, thread_order):
     params, inputs = make(case, np.random.default_rng(seed))
     ref = core.testing.run_op("cpu", case.op, params, inputs)
     before = core.testing.metal_kernels()
-    got = core.testing.run_op("metal", case.op, params, inputs)
-    DISPATCHED.update(name for name, n in core.testing.metal_kernels().items() if n > before[name])
+    got = core.testing.run_op("metal", case.op, {**params, "disable": disable}, inputs)
+    kernels = {name for name, n in core.testing.metal_kernels().items() if n > before[name]}
+    DISPATCHED.update(kernels)
     check(case, ref, got, inputs)
+    return kernels
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_op_matches_cpu(core, monkeypatch, case, thread_order):
+    KERNELS_ON[case.id] = _run(core, monkeypatch, case, thread_order, "")
     PASSED.add(case.id)
+
+
+@pytest.mark.parametrize("case", OFF_CASES, ids=[c.id for c in OFF_CASES])
+def test_op_matches_cpu_switches_off(core, monkeypatch, case, thread_order):
+    all_off = ",".join(name for name, _, _ in core.optimisations())
+    kernels = _run(core, monkeypatch, case, thread_order, all_off)
+    if case.id in KERNELS_ON:
+        assert kernels != KERNELS_ON[case.id], f"{case.id}: no switch changes its kernels ({sorted(kernels)})"
+    PASSED.add(f"{case.id}/off")
 
 
 def test_every_kernel_runs_in_an_op_case(core):
     """Every kernel of metal/*.metal (each template instance: bits, tile rows, head dim, rows per GEMV, chunks per
-    thread) is dispatched by some op case, so the thread orders and the ASan run cover all of them."""
-    cases = {c.id for c in CASES}
+    thread), of the optimised paths and of the plain paths their switches fall back to, is dispatched by some op case,
+    so the thread orders and the ASan run cover all of them."""
+    cases = {c.id for c in CASES} | {f"{c.id}/off" for c in OFF_CASES}
     if PASSED != cases:
         pytest.skip(f"needs every op case in this session ({len(PASSED)} of {len(cases)} ran and passed)")
     missing = set(core.testing.metal_kernels()) - DISPATCHED - set(ELSEWHERE)

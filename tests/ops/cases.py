@@ -312,6 +312,8 @@ CASES = [
     Case("moe_residual", dict(T=3, H=64, E=8, top_k=2, I=64, IS=128), tags=("edge",)),
     Case("moe_residual", dict(T=130, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
     Case("moe_residual", dict(T=1, H=128, E=8, top_k=2, I=64, IS=64, bits=8, gate_bits=4), tags=("edge",)),
+    # the most experts per token both GPU backends take (backend/checks.h: top_k ≤ min(E, 32)): decode and prefill
+    *[Case("moe", dict(T=t, H=64, E=40, top_k=32, I=64, IS=64), tags=("edge",)) for t in (3, 20)],
     # 100 rows per expert: the 128-row expert tiles (switch moe_tiles_128)
     Case("moe", dict(T=200, H=128, E=4, top_k=2, I=64, IS=64), tags=("edge",)),
     # 8-bit experts with a 4-bit router and shared gate: decode, and prefill with 10 and 40 rows per expert

@@ -10,6 +10,9 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/checks.h"
+#include "backend/policy.h"
+#include "backend/scratch.h"
 #include "core/common.h"
 
 namespace lily::cuda {
@@ -24,17 +27,8 @@ using bf16 = __nv_bfloat16;
                                            __LINE__, ": ", #expr));                                        \
   } while (0)
 
-// Scratch slots: each op file owns its slots, so buffers never alias across ops of one forward pass.
-enum Slot : int {
-  kSlotMoeLogits, kSlotMoeRoute, kSlotMoeSort, kSlotMoeHidden, kSlotMoeOut, kSlotMoeShared,
-  kSlotAttnQ, kSlotAttnPartial,
-  kSlotGdn, kSlotGdnChunk,
-  kSlotSample,
-  kNumSlots
-};
-
-// The launch context: one stream, the device's properties, the ablation switches, and scratch buffers that grow on
-// demand. Growth happens only outside graph capture (the backend runs every shape once before capturing it).
+// The launch context: one stream, the device's properties, the ablation switches, and scratch buffers (one per
+// backend/scratch.h slot) that grow on demand. Growth happens only outside graph capture (the backend runs every shape once before capturing it).
 struct Ctx {
   cudaStream_t stream = nullptr;
   int num_sms = 132;

@@ -141,7 +141,7 @@ class CudaBackend final : public Backend {
     cuda::moe(ctx_, a, w, cb(m), b(out));
   }
 
-  bool can_sample(const SamplingParams& p, int n_valid) const override { return cuda::can_sample(p, n_valid); }
+  bool can_sample(const SamplingParams& p, int n_valid) const override { return device_can_sample(p, n_valid); }
   void sample(const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st) override {
     cuda::sample(ctx_, p, n_valid, logits, st);
   }

@@ -45,12 +45,13 @@
 //          token (conv, norms, gates, state, gated norm; arrival counters): 9.2 µs against 4 kernels of 15 µs in ncu,
 //          no gain in the replayed step (+0.3 %).
 #include "backend/cuda/ops.cuh"
+#include "core/config.h"
 
 namespace lily::cuda {
 
 namespace {
 
-constexpr int kConvMaxK = 9;       // taps (config check: linear_conv_kernel_dim ≤ 9)
+constexpr int kConvMaxK = kMaxConvKernel;  // taps (core/config.h: linear_conv_kernel_dim ≤ 9)
 constexpr int kConvChunk = 32;     // tokens per thread; ≥ kConvMaxK − 1 so that only chunk 0 touches the state
 constexpr int kConvThreads = 128;  // threads per block, 4 channels each
 constexpr int kPrepWarps = 8;      // warps per prep block
@@ -336,11 +337,11 @@ __global__ void __launch_bounds__(kNormWarps * 32) gdn_norm_kernel(const bf16* y
 // Scratch per call (after the prep kernel's q̂k̂ and gates): W1 [NV, nc·L, DV], W2 [NV, nc·L, DK], P [NV, nc, L, L],
 // λ [NV, nc·L] fp32 (nc = ⌈T/L⌉): 168 MB at T = 4096 for the real shapes.
 
-constexpr int kChunk = 64;         // tokens per chunk (L)
-constexpr int kWyThreads = 256;    // gdn_wy_kernel: one thread per column of [V | K̂] in the solve (DV + DK ≤ 256)
-constexpr int kCsRows = 32;        // gdn_chunk_scan_kernel: state rows per block
+// The chunk, the shapes and the threshold T ≥ kGdnChunkMinT are backend/policy.h's (gdn_chunked), shared with Metal.
+constexpr int kChunk = kGdnChunk;            // tokens per chunk (L)
+constexpr int kWyThreads = kGdnChunkMaxCols; // gdn_wy_kernel: one thread per column of [V | K̂] in the solve
+constexpr int kCsRows = kGdnChunkRows;       // gdn_chunk_scan_kernel: state rows per block
 constexpr int kCsThreads = 128;    // 4 warps
-constexpr int kChunkMinT = 16;     // below this many tokens the token-by-token scan runs
 
 struct ChunkArgs {
   const float* qk;      // [NK, T, 2·DK] q̂ then k̂ (gdn_scan_prep_kernel)
@@ -728,16 +729,7 @@ constexpr size_t cs_smem_bytes(int DK) {
 
 // ---- launcher helpers ---------------------------------------------------------------------------------------------
 
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
 int conv_dim(const GdnArgs& a) { return 2 * a.NK * a.DK + a.NV * a.DV; }
-
-void check_heads(const GdnArgs& a, const char* name) {
-  LILY_CHECK(a.T >= 0, name, ": T = ", a.T, " is negative");
-  LILY_CHECK(a.NK > 0 && a.NV > 0 && a.NV % a.NK == 0, name, ": NV = ", a.NV, " must be a positive multiple of NK = ",
-             a.NK);
-  LILY_CHECK(a.DK > 0 && a.DV > 0, name, ": DK = ", a.DK, " and DV = ", a.DV, " must be positive");
-}
 
 // Runs f with DK as a compile-time constant.
 template <typename F>
@@ -757,13 +749,8 @@ void dispatch_dk(int DK, F&& f) {
 // ---- launchers ----------------------------------------------------------------------------------------------------
 
 void gdn_conv(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* w, bf16* conv_state, bf16* out) {
-  check_heads(a, "gdn_conv");
+  check_gdn_conv(a, x, conv_state, out);
   const int C = conv_dim(a);
-  LILY_CHECK(C % 4 == 0, "gdn_conv: conv_dim ", C, " must be a multiple of 4");
-  LILY_CHECK(a.conv_kernel >= 1 && a.conv_kernel <= kConvMaxK, "gdn_conv: conv_kernel ", a.conv_kernel,
-             " must be in [1, ", kConvMaxK, "]");
-  LILY_CHECK(aligned(x, 8) && aligned(out, 8) && aligned(conv_state, 8), "gdn_conv: x, out and conv_state must be ",
-             "8-byte aligned");
   if (a.T == 0) return;
   const dim3 grid(unsigned(cdiv(C / 4, kConvThreads)), unsigned(cdiv(a.T, kConvChunk)));
   launch(ctx, gdn_conv_kernel, grid, kConvThreads, 0, x, w, conv_state, out, a.T, C, a.conv_kernel);
@@ -772,7 +759,7 @@ void gdn_conv(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* w, bf16* c
 
 void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf16* alpha, const float* A_log,
               const float* dt_bias, float* state, bf16* y) {
-  check_heads(a, "gdn_scan");
+  check_gdn_heads(a, "gdn_scan");
   LILY_CHECK(a.DV % 8 == 0, "gdn_scan: DV = ", a.DV, " must be a multiple of 8");
   LILY_CHECK(aligned(c, 16) && aligned(y, 16) && aligned(state, 16), "gdn_scan: c, y and state must be ",
              "16-byte aligned");
@@ -780,20 +767,21 @@ void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf
   dispatch_dk(a.DK, [&](auto dk) {
     constexpr int DK = decltype(dk)::value;
     if (a.T == 0) return;
-    const size_t qk_bytes = size_t(a.NK) * a.T * 2 * DK * sizeof(float);
-    char* scratch = static_cast<char*>(ctx.scratch(kSlotGdn, qk_bytes + size_t(a.NV) * a.T * sizeof(float4)));
-    float* qk = reinterpret_cast<float*>(scratch);
-    float4* gates = reinterpret_cast<float4*>(scratch + qk_bytes);
+    const Parts<2> sp = gdn_scan_parts(a, a.T);
+    void* scratch = ctx.scratch(kSlotGdn, sp.bytes);
+    float* qk = sp.at<float>(scratch, 0);
+    float4* gates = sp.at<float4>(scratch, 1);
     launch(ctx, gdn_scan_prep_kernel<DK>, unsigned(cdiv(int64_t(a.T) * a.NK, kPrepWarps)), kPrepWarps * 32, 0, c, b,
            alpha, A_log, dt_bias, qk, gates, a.T, a.NK, a.NV, C);
     check_launch("gdn_scan_prep");
-    if (a.T >= kChunkMinT && ctx.opts.on(Opt::gdn_chunked) && a.DV % kCsRows == 0 && a.DV + DK <= kWyThreads) {
+    if (gdn_chunked(a, ctx.opts)) {
       ChunkArgs ca{};
       ca.qk = qk, ca.gates = gates, ca.c = c, ca.state = state, ca.y = y;
       ca.T = a.T, ca.NK = a.NK, ca.NV = a.NV, ca.DV = a.DV, ca.C = C, ca.nc = int(cdiv(a.T, kChunk));
-      const size_t rows = size_t(a.NV) * ca.nc * kChunk;
-      float* wy = static_cast<float*>(ctx.scratch(kSlotGdnChunk, rows * (a.DV + DK + kChunk + 1) * sizeof(float)));
-      ca.W1 = wy, ca.W2 = ca.W1 + rows * a.DV, ca.P = ca.W2 + rows * DK, ca.lam = ca.P + rows * kChunk;
+      const Parts<4> cp = gdn_chunk_parts(a);
+      void* wy = ctx.scratch(kSlotGdnChunk, cp.bytes);
+      ca.W1 = cp.at<float>(wy, kChunkW1), ca.W2 = cp.at<float>(wy, kChunkW2);
+      ca.P = cp.at<float>(wy, kChunkP), ca.lam = cp.at<float>(wy, kChunkLam);
       static const cudaError_t wy_attr = cudaFuncSetAttribute(
           gdn_wy_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(wy_smem_bytes(DK, kWyThreads - DK)));
       static const cudaError_t cs_attr = cudaFuncSetAttribute(
@@ -813,7 +801,7 @@ void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf
 }
 
 void gdn_norm(Ctx& ctx, const GdnArgs& a, const bf16* y, const bf16* z, const float* w, bf16* out) {
-  check_heads(a, "gdn_norm");
+  check_gdn_heads(a, "gdn_norm");
   LILY_CHECK(a.DV % 4 == 0 && a.DV <= kNormMaxDv, "gdn_norm: DV = ", a.DV, " must be a multiple of 4 and at most ",
              kNormMaxDv);
   LILY_CHECK(aligned(y, 8) && aligned(z, 8) && aligned(out, 8) && aligned(w, 16), "gdn_norm: y, z, out must be ",

@@ -34,7 +34,7 @@
 //          256 blocks of 9 warps; the ŵ/γ-weighted partials meet in shared memory, summed in slot order.
 //          Registers (sm_90, -O3): gate_up 128 (4-bit) / 110 (8-bit), down 96 / 78, route 32-40, others ≤ 32;
 //          no spills.
-// Checks   shapes of every matrix against MoeArgs; bits 4/8; K % group == 0; 1 ≤ top_k ≤ min(E, 31); E ≤ 256;
+// Checks   shapes of every matrix against MoeArgs; bits 4/8; K % group == 0; 1 ≤ top_k ≤ min(E, 32); E ≤ 256;
 //          H % 8 == 0; m, out 16-byte aligned. The decode kernels also need: top_k ≤ 15, one bit width for
 //          gate/up/shared gate/up and one for down/shared down, H ≤ 2048, I and IS ≤ 1024 (4-bit) / 512 (8-bit),
 //          group a multiple of the 32 (4-bit) / 16 (8-bit) codes of a 16-byte chunk, 16-byte aligned codes;
@@ -54,7 +54,7 @@ namespace lily::cuda {
 namespace {
 
 constexpr int kMoeDecodeMaxT = kQmvMaxT;  // T at most this: the fused decode kernels
-constexpr int kMaxExperts = 256;          // routing keeps E/32 ≤ 8 probabilities per lane
+constexpr int kMaxExperts = kMoeMaxExperts;  // routing keeps E/32 ≤ 8 probabilities per lane (backend/checks.h)
 constexpr int kRouteWarps = 4;            // tokens per routing block
 constexpr int kSortThreads = 1024;
 constexpr int kCombineThreads = 128;
@@ -68,8 +68,6 @@ constexpr int kDownSteps = 4;             // row steps per down warp (of the wid
 constexpr int kDownMaxWarps = 16;         // down block: k routed + 1 shared warps
 constexpr int kMaxHidden = 2048;          // decode: m chunks held in registers
 
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 int pow2_at_least(int v) {
   int p = 1;
   while (p < v) p <<= 1;
@@ -85,12 +83,8 @@ struct QStack {
 };
 QStack stack_of(const QMatrix& q) { return {q.w, q.scales, q.biases, q.group}; }
 
-// Where the routing lands: per token the k expert ids, their weights ŵ, and γ.
-struct Route {
-  int32_t* ids;
-  float* wts;
-  float* gamma;
-};
+// Where the routing lands (backend/scratch.h): per token the k expert ids, their weights ŵ, and γ.
+using Route = MoeRoute;
 
 // Everything the two decode kernels read. lpr_gu: lanes per row for K = H (a power of two ≤ 32);
 // rb_gu rows per gate_up block, tiles_gu blocks per slot; rb_down output rows per down block.
@@ -618,10 +612,9 @@ void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m,
                  float* resid) {
   const int T = a.T, k = a.top_k, E = a.E, H = a.H, I = a.I, IS = a.IS, P = T * k;
 
-  char* sb = static_cast<char*>(ctx.scratch(kSlotMoeSort, align256((E + 1) * 4) + 2 * align256(size_t(P) * 4)));
-  int32_t* offsets = reinterpret_cast<int32_t*>(sb);
-  int32_t* rows = reinterpret_cast<int32_t*>(sb + align256((E + 1) * 4));
-  int32_t* pos = reinterpret_cast<int32_t*>(sb + align256((E + 1) * 4) + align256(size_t(P) * 4));
+  const Parts<5> sp = moe_sort_parts(E, P, 0);
+  const MoeSort sort = moe_sort_at(ctx.scratch(kSlotMoeSort, sp.bytes), sp);
+  int32_t *offsets = sort.offsets, *rows = sort.rows, *pos = sort.pos;
   if (ctx.opts.on(Opt::moe_sort_scan))
     launch(ctx, moe_sort_scan_kernel, 1, kSortThreads, 0, r.ids, P, k, E, offsets, rows, pos);
   else
@@ -633,12 +626,12 @@ void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m,
   moe_gemm(ctx, w.gate, &w.up, offsets, rows, P, m, h);       // h = silu(m·W_gateᵀ) ⊙ (m·W_upᵀ), sorted rows
   moe_gemm(ctx, w.down, nullptr, offsets, nullptr, P, h, yd);  // yd = h·W_downᵀ, same sorted rows
 
-  const size_t gu = align256(size_t(T) * IS * sizeof(float)), hb = align256(size_t(T) * IS * sizeof(bf16));
-  char* shb = static_cast<char*>(ctx.scratch(kSlotMoeShared, 2 * gu + hb + size_t(T) * H * sizeof(bf16)));
-  float* sg = reinterpret_cast<float*>(shb);
-  float* su = reinterpret_cast<float*>(shb + gu);
-  bf16* sh = reinterpret_cast<bf16*>(shb + 2 * gu);
-  bf16* s = reinterpret_cast<bf16*>(shb + 2 * gu + hb);
+  const Parts<4> shp = moe_shared_parts(T, IS, H);
+  void* shb = ctx.scratch(kSlotMoeShared, shp.bytes);
+  float* sg = shp.at<float>(shb, kSharedG);
+  float* su = shp.at<float>(shb, kSharedU);
+  bf16* sh = shp.at<bf16>(shb, kSharedH);
+  bf16* s = shp.at<bf16>(shb, kSharedS);
   qmm(ctx, w.shared_gate, m, T, sg, true);
   qmm(ctx, w.shared_up, m, T, su, true);
   const size_t n = size_t(T) * IS;
@@ -658,16 +651,10 @@ void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m,
 
 namespace {
 
-void check_moe(const MoeArgs& a, const MoeWeights& w, const bf16* m, const bf16* out) {
-  LILY_CHECK(a.T >= 0, "moe: T = ", a.T, " is negative");
-  LILY_CHECK(a.E >= 1 && a.E <= kMaxExperts, "moe: E = ", a.E, " must be in [1, ", kMaxExperts, "]");
-  LILY_CHECK(a.top_k >= 1 && a.top_k <= std::min(a.E, 31), "moe: top_k = ", a.top_k, " must be in [1, min(E, 31)]");
-  LILY_CHECK(a.H > 0 && a.H % 8 == 0, "moe: H = ", a.H, " must be a positive multiple of 8");
-  LILY_CHECK(a.I > 0 && a.IS > 0, "moe: I = ", a.I, " and IS = ", a.IS, " must be positive");
-  for (const MoeMatrix& mm : check_moe_matrices(a, w))  // present, shaped, 4 or 8 bits; then this file's rule
+void check_moe_args(const MoeArgs& a, const MoeWeights& w, const bf16* m, const bf16* out) {
+  for (const MoeMatrix& mm : check_moe(a, w, m, out))  // backend/checks.h's rules; then this file's
     LILY_CHECK(mm.q.group > 0 && mm.q.group % (32 / mm.q.bits) == 0 && mm.K % mm.q.group == 0, "moe: ", mm.name,
                " has group=", mm.q.group, ", which must divide K=", mm.K, " and be a multiple of ", 32 / mm.q.bits);
-  LILY_CHECK(aligned(m, 16) && aligned(out, 16), "moe: m and out must be 16-byte aligned");
   LILY_CHECK(int64_t(a.T) * a.top_k * std::max(a.H, std::max(a.I, a.IS)) < (int64_t(1) << 31),
              "moe: T·top_k·max(H, I, IS) must stay below 2^31");
 }
@@ -675,10 +662,8 @@ void check_moe(const MoeArgs& a, const MoeWeights& w, const bf16* m, const bf16*
 // The MoE block on m; the result goes to out, or is added to resid (fp32).
 void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out, float* resid) {
   float* logits = static_cast<float*>(ctx.scratch(kSlotMoeLogits, size_t(a.T) * a.E * sizeof(float)));
-  const size_t tk = align256(size_t(a.T) * a.top_k * 4);
-  char* rb = static_cast<char*>(ctx.scratch(kSlotMoeRoute, 2 * tk + size_t(a.T) * sizeof(float)));
-  const Route r{reinterpret_cast<int32_t*>(rb), reinterpret_cast<float*>(rb + tk),
-                reinterpret_cast<float*>(rb + 2 * tk)};
+  const Parts<3> rp = moe_route_parts(a.T, a.top_k);
+  const Route r = moe_route_at(ctx.scratch(kSlotMoeRoute, rp.bytes), rp);
 
   qmm(ctx, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
   dispatch_bits(w.shared_expert_gate.bits, [&](auto bits) {
@@ -696,14 +681,14 @@ void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf1
 }  // namespace
 
 void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out) {
-  check_moe(a, w, m, out);
+  check_moe_args(a, w, m, out);
   if (a.T == 0) return;
   run_moe(ctx, a, w, m, out, nullptr);
 }
 
 void moe_residual(Ctx& ctx, float* x, const bf16* d, const float* nw, float eps, const MoeArgs& a,
                   const MoeWeights& w, bf16* m, bf16* out) {
-  check_moe(a, w, m, out);
+  check_moe_args(a, w, m, out);
   if (a.T == 0) return;
   LILY_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "moe_residual: x must be 16-byte aligned");
   add_rms_norm(ctx, x, d, nw, a.T, a.H, eps, m);  // x ← x + d;  m = rms_norm(x)·nw

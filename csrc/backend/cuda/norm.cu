@@ -96,17 +96,12 @@ __global__ void __launch_bounds__(1024) rms_norm_kernel(const float* x, const bf
 
 // ---- launcher helpers ---------------------------------------------------------------------------------------------
 
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
 // Chooses VPT (float4 chunks per thread) and the block size for a row of H values, then launches.
 template <bool ADD>
 void launch_rms_norm(Ctx& ctx, const float* x, const bf16* d, float* x_sum, const float* w, int T, int H, float eps,
                      bf16* out, const char* name) {
-  LILY_CHECK(T >= 0, name, ": T = ", T, " is negative");
-  LILY_CHECK(H > 0 && H % 4 == 0 && H <= 8 * 1024 * 4, name, ": H = ", H,
-             " must be a positive multiple of 4 and at most 32768");
-  LILY_CHECK(aligned(x, 16) && aligned(w, 16) && aligned(out, 8) && (!ADD || aligned(d, 8)), name,
-             ": x and w must be 16-byte aligned, d and out 8-byte aligned");
+  static_assert(8 * 1024 * 4 == kNormMaxH, "rows of up to 1024 threads × 8 float4 chunks");
+  check_norm(name, T, H, x, w, d, out);
   if (T == 0) return;
   const int H4 = H / 4;
   auto go = [&](auto vpt) {
@@ -130,14 +125,10 @@ void launch_rms_norm(Ctx& ctx, const float* x, const bf16* d, float* x_sum, cons
 // ---- launchers ----------------------------------------------------------------------------------------------------
 
 void embed(Ctx& ctx, const QMatrix& table, const int32_t* tokens, int T, float* x) {
-  LILY_CHECK(table.E == 1, "embed: the table must be a single matrix, got a stack of ", table.E);
-  LILY_CHECK(T >= 0, "embed: T = ", T, " is negative");
+  check_embed(table, T, x);
+  if (T == 0) return;
   dispatch_bits(table.bits, [&](auto bits) {
     constexpr int BITS = decltype(bits)::value;
-    LILY_CHECK(table.group > 0 && table.group % (32 / BITS) == 0 && table.K % table.group == 0, "embed: group ",
-               table.group, " must divide K = ", table.K, " and be a multiple of ", 32 / BITS);
-    LILY_CHECK(aligned(x, 16), "embed: x must be 16-byte aligned");
-    if (T == 0) return;
     launch(ctx, embed_kernel<BITS>, T, kEmbedThreads, 0, table.w, table.scales, table.biases, tokens, table.K,
            table.group, x);
   });

@@ -44,10 +44,8 @@ void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* o
 void moe_residual(Ctx& ctx, float* x, const bf16* d, const float* nw, float eps, const MoeArgs& a,
                   const MoeWeights& w, bf16* m, bf16* out);
 
-// sample.cu: token selection on the device (the rules of core/sample.h). The candidate set after top-k must fit in
-// kMaxCand entries; top_logprobs are reported by the host path only.
-constexpr int kMaxCand = 1024;
-bool can_sample(const SamplingParams& p, int n_valid);
+// sample.cu: token selection on the device (the rules of core/sample.h), for the parameters that
+// backend/policy.h: device_can_sample accepts (the candidate set after top-k fits kSampleMaxCand entries).
 void sample(Ctx& ctx, const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st);
 
 }  // namespace lily::cuda

@@ -407,10 +407,7 @@ void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) 
     qmv(ctx, W, x, T, y, y_f32);
     return;
   }
-  check_qmatrix(W, "qmm", "W");
-  LILY_CHECK(W.E == 1, "qmm: W must be one matrix (E=", W.E, ")");
-  LILY_CHECK(x && y, "qmm: null x or y");
-  LILY_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "qmm: x is not 16-byte aligned");
+  check_qmm(W, x, y);
   check_out_alignment("qmm", y, W.N, y_f32 ? 4 : 2);
   LILY_CHECK(cdiv(T, 64) <= 65535, "qmm: T=", T, " exceeds the grid limit");
   const int gshift = log2_exact(W.group);

@@ -38,7 +38,7 @@ constexpr int kRows = 4;   // weight rows per warp
 // Static shared memory of qmv_kernel<·, T> (the per-warp sums `red`).
 constexpr size_t red_bytes(int T) { return sizeof(float) * kWarps * kRows * T; }
 
-constexpr int kMaxSegs = 4;  // matrices sharing x in one launch (qmv_multi)
+constexpr int kMaxSegs = kQmvMaxMatrices;  // matrices sharing x in one launch (qmv_multi; backend/checks.h)
 
 struct QmvSeg {
   const uint32_t* w;   // [N, K·bits/32]
@@ -359,20 +359,11 @@ void launch_t(const Ctx& ctx, const QmvParams& p, int T, int grid, size_t smem, 
 }  // namespace
 
 void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
-  LILY_CHECK(n >= 1 && n <= kMaxSegs, "qmv: ", n, " matrices in one launch, at most ", kMaxSegs);
+  check_qmv(Ws, n, x, T, kQmvMaxT, ys);  // backend/checks.h; then this file's index width
   const QMatrix& W = Ws[0];
-  for (int i = 0; i < n; ++i) {
-    check_qmatrix(Ws[i], "qmv", "W");
-    LILY_CHECK(Ws[i].E == 1, "qmv: W must be one matrix (E=", Ws[i].E, ")");
-    LILY_CHECK(Ws[i].K == W.K && Ws[i].bits == W.bits && Ws[i].group == W.group,
-               "qmv: matrices sharing a launch need the same K, bits and group size");
+  for (int i = 0; i < n; ++i)
     LILY_CHECK(int64_t(Ws[i].N) * W.K * W.bits / 128 < (int64_t(1) << 31), "qmv: W (", Ws[i].N, "×", W.K,
                ") has too many 16-byte chunks for 32-bit indexing");
-    LILY_CHECK(ys[i], "qmv: null y");
-  }
-  LILY_CHECK(T >= 1 && T <= kQmvMaxT, "qmv: T=", T, " is outside [1, ", kQmvMaxT, "]");
-  LILY_CHECK(x, "qmv: null x");
-  LILY_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "qmv: x is not 16-byte aligned");
 
   const int epc = 128 / W.bits;
   QmvParams p;

@@ -7,12 +7,13 @@
 //          u = to_unit_double(splitmix64(seed ^ step·φ)) and take the first kept id (ascending) whose running Σ w
 //          exceeds u·Σ w. logprob = raw_token − logsumexp(raw) over [0, n_valid).
 // Mapping  one block of 1024 threads: two coalesced passes over the logits (max/argmax, then Σexp), four radix
-//          passes (8 bits each) for the k-th largest, one ordered compaction of the ≤ kMaxCand candidates into
-//          shared memory, then O(n²) top-p masses over the candidates and a serial draw by thread 0.
+//          passes (8 bits each) for the k-th largest, one ordered compaction of the ≤ kSampleMaxCand candidates
+//          into shared memory, then O(n²) top-p masses over the candidates and a serial draw by thread 0.
 // Traffic  V = 248320 fp32 logits read ~7 times from L2 (≈ 7 MB); ~30 µs on one SM. Versus the host path: the 1 MB
 //          copy and a 1.3 ms host pass per token.
-// Checks   the host calls sample() only when can_sample(): greedy, or the top-k set fits kMaxCand, and
-//          top_logprobs == 0. Ties at the top-k boundary beyond kMaxCand keep the lowest ids (host path keeps all).
+// Checks   the host calls sample() only when can_sample() (backend/policy.h: device_can_sample): greedy, or the
+//          top-k set fits kSampleMaxCand, and top_logprobs == 0. Ties at the top-k boundary beyond kSampleMaxCand
+//          keep the lowest ids (host path keeps all).
 // Ref      core/sample.cpp · Test tests/test_cuda.py (device sampler vs host sampler)
 // History  v1 (this)
 #include <cfloat>
@@ -59,10 +60,10 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleKern
   __shared__ int s_i[32];
   __shared__ double s_d[32];
   __shared__ uint32_t hist[256];
-  __shared__ int cand_id[kMaxCand];
-  __shared__ float cand_x[kMaxCand];
-  __shared__ double cand_w[kMaxCand];
-  __shared__ unsigned char cand_keep[kMaxCand];
+  __shared__ int cand_id[kSampleMaxCand];
+  __shared__ float cand_x[kSampleMaxCand];
+  __shared__ double cand_w[kSampleMaxCand];
+  __shared__ unsigned char cand_keep[kSampleMaxCand];
   __shared__ int s_scan[kSampleThreads];
   __shared__ int s_token, s_ncand;
   __shared__ uint32_t s_prefix;
@@ -151,11 +152,11 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleKern
     for (int i = lo; i < hi; ++i) {
       const float x = processed(a, i);
       if (fkey(x) >= prefix) {
-        if (at < kMaxCand) cand_id[at] = i, cand_x[at] = x;
+        if (at < kSampleMaxCand) cand_id[at] = i, cand_x[at] = x;
         ++at;
       }
     }
-    if (tid == kSampleThreads - 1) s_ncand = min(s_scan[tid], kMaxCand);
+    if (tid == kSampleThreads - 1) s_ncand = min(s_scan[tid], kSampleMaxCand);
     __syncthreads();
     const int nc = s_ncand;
     for (int j = tid; j < nc; j += kSampleThreads) {
@@ -214,15 +215,8 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleKern
   }
 }
 
-bool can_sample(const SamplingParams& p, int n_valid) {
-  if (p.top_logprobs > 0) return false;
-  if (p.temperature == 0.0f) return true;
-  const int k = (p.top_k > 0 && p.top_k < n_valid) ? p.top_k : n_valid;
-  return k <= kMaxCand;
-}
-
 void sample(Ctx& ctx, const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st) {
-  LILY_CHECK(can_sample(p, n_valid), "CUDA sample: these sampling parameters need the host sampler");
+  LILY_CHECK(device_can_sample(p, n_valid), "CUDA sample: these sampling parameters need the host sampler");
   launch(ctx, sample_kernel, 1, kSampleThreads, 0, SampleKernelArgs{p, n_valid, logits, st});
   check_launch("sample");
 }

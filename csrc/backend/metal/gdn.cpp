@@ -1,26 +1,32 @@
 // gdn.cpp: the launchers of metal/gdn.metal (Gated DeltaNet conv, scan and gated RMSNorm; the header of the .metal
-// file gives the math, mapping and costs). Each checks its preconditions, binds the args struct and the buffers in
-// the kernel's parameter order, and dispatches.
+// file gives the math, mapping and costs). Each checks its preconditions (backend/checks.h, then its kernels' own),
+// binds the args struct and the buffers in the kernel's parameter order, and dispatches. gdn_scan runs the chunked
+// prefill when backend/policy.h's gdn_chunked says so (the rule the CUDA backend follows), else the token-by-token
+// scan.
+#include <algorithm>
 #include <cstdint>
 
 #include "../../../metal/gdn_args.h"
+#include "backend/checks.h"
 #include "backend/metal/ops.h"
+#include "backend/policy.h"
+#include "backend/scratch.h"
 #include "core/common.h"
+#include "core/config.h"
 
 namespace lily::metal {
 
 namespace {
 
 constexpr int kNormMaxDv = 32 * kGdnNormMaxPer;
+static_assert(kGdnConvMaxK == kMaxConvKernel, "the conv window holds the config's largest kernel (core/config.h)");
+static_assert(kGdnChunkL == kGdnChunk && kGdnCsRows == kGdnChunkRows && kGdnWyThreads == kGdnChunkMaxCols,
+              "metal/gdn_args.h and backend/policy.h disagree on the chunked prefill");
 
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
+// The args of every kernel of the file (the chunked prefill's Tp and nc too); T, heads and dims checked first.
 GdnKernelArgs kernel_args(const GdnArgs& a, const char* name) {
-  LILY_CHECK(a.T >= 0, name, ": T = ", a.T, " is negative");
-  LILY_CHECK(a.NK > 0 && a.NV > 0 && a.NV % a.NK == 0, name, ": NV = ", a.NV, " must be a positive multiple of NK = ",
-             a.NK);
-  LILY_CHECK(a.DK > 0 && a.DV > 0, name, ": DK = ", a.DK, " and DV = ", a.DV, " must be positive");
-  GdnKernelArgs k;
+  check_gdn_heads(a, name);
+  GdnKernelArgs k{};
   k.T = a.T;
   k.NK = a.NK;
   k.NV = a.NV;
@@ -29,17 +35,72 @@ GdnKernelArgs kernel_args(const GdnArgs& a, const char* name) {
   k.C = 2 * a.NK * a.DK + a.NV * a.DV;
   k.K = a.conv_kernel;
   k.eps = a.eps;
+  k.nc = gdn_chunks(a.T);
+  k.Tp = k.nc * kGdnChunkL;
   return k;
+}
+
+const char* by_dk(int DK, const char* dk32, const char* dk64, const char* dk128) {
+  return DK == 32 ? dk32 : DK == 64 ? dk64 : dk128;
+}
+
+// The chunked prefill (backend/policy.h: gdn_chunked): prep (q̂, k̂, gates for Tp tokens) → WY form of every chunk →
+// the scan over chunks. Scratch: kSlotGdn (q̂k̂, gates) and kSlotGdnChunk (W1, W2, P, λ), laid out by backend/scratch.h.
+void gdn_scan_chunked(Encoder& enc, const GdnArgs& a, const GdnKernelArgs& k, const uint16_t* c, const uint16_t* b,
+                      const uint16_t* alpha, const float* A_log, const float* dt_bias, float* state, uint16_t* y) {
+  LILY_CHECK(int64_t(k.Tp) * std::max({k.C, 2 * a.NK * a.DK, a.NV * std::max({a.DV, a.DK, int(kGdnChunkL)})}) <
+                 (int64_t(1) << 31),
+             "gdn_scan: T = ", a.T, " is too large for the 32-bit indices of the chunked prefill");
+  const Parts<2> sp = gdn_scan_parts(a, k.Tp);
+  void* prep = enc.scratch(kSlotGdn, sp.bytes);
+  float* qk = sp.at<float>(prep, 0);
+  float* gates = sp.at<float>(prep, 1);  // float4 [NV, Tp]
+  const Parts<4> cp = gdn_chunk_parts(a);
+  void* wy = enc.scratch(kSlotGdnChunk, cp.bytes);
+  float* W1 = cp.at<float>(wy, kChunkW1);
+  float* W2 = cp.at<float>(wy, kChunkW2);
+  float* P = cp.at<float>(wy, kChunkP);
+  float* lam = cp.at<float>(wy, kChunkLam);
+
+  enc.kernel(by_dk(a.DK, "gdn_chunk_prep_dk32", "gdn_chunk_prep_dk64", "gdn_chunk_prep_dk128"));
+  enc.set_args(k);
+  enc.set_buffer(1, c);        // c
+  enc.set_buffer(2, b);        // b
+  enc.set_buffer(3, alpha);    // alpha
+  enc.set_buffer(4, A_log);    // A_log
+  enc.set_buffer(5, dt_bias);  // dt_bias
+  enc.set_buffer(6, qk);       // qk
+  enc.set_buffer(7, gates);    // gates
+  enc.dispatch({uint32_t(ceil_div(int64_t(k.Tp) * a.NK, kGdnPrepSgs)), 1, 1}, {32 * kGdnPrepSgs, 1, 1});
+
+  enc.kernel(by_dk(a.DK, "gdn_wy_dk32", "gdn_wy_dk64", "gdn_wy_dk128"));
+  enc.set_args(k);
+  enc.set_buffer(1, qk);     // qk
+  enc.set_buffer(2, gates);  // gates
+  enc.set_buffer(3, c);      // c
+  enc.set_buffer(4, W1);     // W1
+  enc.set_buffer(5, W2);     // W2
+  enc.set_buffer(6, P);      // P
+  enc.set_buffer(7, lam);    // lam
+  enc.dispatch({uint32_t(k.nc), uint32_t(a.NV), 1}, {kGdnWyThreads, 1, 1});
+
+  enc.kernel(by_dk(a.DK, "gdn_chunk_scan_dk32", "gdn_chunk_scan_dk64", "gdn_chunk_scan_dk128"));
+  enc.set_args(k);
+  enc.set_buffer(1, qk);     // qk
+  enc.set_buffer(2, W1);     // W1
+  enc.set_buffer(3, W2);     // W2
+  enc.set_buffer(4, P);      // P
+  enc.set_buffer(5, lam);    // lam
+  enc.set_buffer(6, state);  // state
+  enc.set_buffer(7, y);      // y
+  enc.dispatch({uint32_t(a.NV), uint32_t(a.DV / kGdnCsRows), 1}, {kGdnCsThreads, 1, 1});
 }
 
 }  // namespace
 
 void gdn_conv(Encoder& enc, const GdnArgs& a, const uint16_t* x, const float* w, uint16_t* conv_state, uint16_t* out) {
+  check_gdn_conv(a, x, conv_state, out);
   const GdnKernelArgs k = kernel_args(a, "gdn_conv");
-  LILY_CHECK(k.C % 4 == 0, "gdn_conv: conv_dim ", k.C, " must be a multiple of 4");
-  LILY_CHECK(k.K >= 1 && k.K <= kGdnConvMaxK, "gdn_conv: conv_kernel ", k.K, " must be in [1, ", int(kGdnConvMaxK), "]");
-  LILY_CHECK(aligned(x, 8) && aligned(out, 8) && aligned(conv_state, 8),
-             "gdn_conv: x, out and conv_state must be 8-byte aligned");
   if (a.T == 0) return;
   enc.kernel("gdn_conv");
   enc.set_args(k);
@@ -51,15 +112,18 @@ void gdn_conv(Encoder& enc, const GdnArgs& a, const uint16_t* x, const float* w,
   enc.dispatch(groups, {uint32_t(kGdnConvThreads), 1, 1});
 }
 
-void gdn_scan(Encoder& enc, const GdnArgs& a, const uint16_t* c, const uint16_t* b, const uint16_t* alpha,
-              const float* A_log, const float* dt_bias, float* state, uint16_t* y) {
+void gdn_scan(Encoder& enc, const Optimisations& opts, const GdnArgs& a, const uint16_t* c, const uint16_t* b,
+              const uint16_t* alpha, const float* A_log, const float* dt_bias, float* state, uint16_t* y) {
   const GdnKernelArgs k = kernel_args(a, "gdn_scan");
-  const char* name = a.DK == 32 ? "gdn_scan_dk32" : a.DK == 64 ? "gdn_scan_dk64" : a.DK == 128 ? "gdn_scan_dk128"
-                                                                                                 : nullptr;
-  LILY_CHECK(name, "gdn_scan: DK = ", a.DK, " is not supported by the Metal backend (32, 64 or 128)");
+  LILY_CHECK(a.DK == 32 || a.DK == 64 || a.DK == 128, "gdn_scan: DK = ", a.DK,
+             " is not supported by the Metal backend (32, 64 or 128)");
   LILY_CHECK(a.DV % kGdnScanRows == 0, "gdn_scan: DV = ", a.DV, " must be a multiple of ", int(kGdnScanRows));
   if (a.T == 0) return;
-  enc.kernel(name);
+  if (gdn_chunked(a, opts)) {
+    gdn_scan_chunked(enc, a, k, c, b, alpha, A_log, dt_bias, state, y);
+    return;
+  }
+  enc.kernel(by_dk(a.DK, "gdn_scan_dk32", "gdn_scan_dk64", "gdn_scan_dk128"));
   enc.set_args(k);
   enc.set_buffer(1, c);        // c
   enc.set_buffer(2, b);        // b

@@ -6,6 +6,7 @@
 
 #include "backend/allocations.h"
 #include "backend/metal/ops.h"
+#include "backend/policy.h"
 #include "core/common.h"
 
 namespace lily::metal {
@@ -80,15 +81,15 @@ class MetalBackend final : public Backend {
   }
   void gdn_scan(const GdnArgs& a, const void* c, const void* b, const void* alpha, const float* A_log,
                 const float* dt_bias, float* state, void* y) override {
-    metal::gdn_scan(enc(), a, ch(c), ch(b), ch(alpha), A_log, dt_bias, state, h(y));
+    metal::gdn_scan(enc(), optimisations(), a, ch(c), ch(b), ch(alpha), A_log, dt_bias, state, h(y));
   }
   void gdn_norm(const GdnArgs& a, const void* y, const void* z, const float* w, void* out) override {
     metal::gdn_norm(enc(), a, ch(y), ch(z), w, h(out));
   }
   void moe(const MoeArgs& a, const MoeWeights& w, const void* m, void* out) override {
-    metal::moe(enc(), a, w, ch(m), h(out));
+    metal::moe(enc(), optimisations(), a, w, ch(m), h(out));
   }
-  bool can_sample(const SamplingParams& p, int n_valid) const override { return metal::can_sample(p, n_valid); }
+  bool can_sample(const SamplingParams& p, int n_valid) const override { return device_can_sample(p, n_valid); }
   void sample(const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st) override {
     metal::sample(enc(), p, n_valid, logits, st);
   }

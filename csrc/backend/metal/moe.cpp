@@ -1,8 +1,10 @@
 // moe.cpp: the launcher of the MoE block (metal/moe.metal gives the math, mapping and costs; its GEMMs are qmm and
 // moe_gemm of qmm.cpp). Router logits by qmm, then moe_route; T ≤ kQmvMaxT runs the two fused decode kernels,
-// larger T the prefill path: GPU-resident sort (moe_hist, moe_scan, moe_scatter), moe_gemm gate+up and down, the
-// shared expert by qmm, and moe_combine. Nothing waits for the device.
+// larger T the prefill path: GPU-resident sort (moe_sort_scan with the switch moe_sort_scan, else moe_hist, moe_scan,
+// moe_scatter), moe_gemm gate+up and down, the shared expert by qmm, and moe_combine. Scratch layouts and the checks
+// the CUDA launcher shares come from backend/scratch.h and backend/checks.h. Nothing waits for the device.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 
 #include "../../../metal/moe_args.h"
@@ -17,16 +19,12 @@ namespace {
 // Rows per threadgroup of the decode kernels.
 constexpr int kDecodeRowsPerGroup = MOE_DECODE_SIMDGROUPS * MOE_DECODE_ROWS;
 
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+static_assert(MOE_MAX_EXPERTS == kMoeMaxExperts, "metal/moe_args.h and backend/checks.h disagree on E");
+
 uint32_t cdiv(int64_t a, int64_t b) { return uint32_t((a + b - 1) / b); }
 
-// Where the routing lands: per token the k expert ids, their weights ŵ, and γ.
-struct Route {
-  int32_t* ids;
-  float* wts;
-  float* gamma;
-};
+// Where the routing lands (backend/scratch.h): per token the k expert ids, their weights ŵ, and γ.
+using Route = MoeRoute;
 
 void bind_matrix(Encoder& enc, int first, const QMatrix& q) {
   enc.set_buffer(first, q.w);
@@ -76,43 +74,55 @@ void moe_decode(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint1
   enc.dispatch({cdiv(a.H, kDecodeRowsPerGroup), uint32_t(a.T), 1}, threads);
 }
 
-void moe_prefill(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint16_t* m, const Route& r,
-                 uint16_t* out) {
-  const int T = a.T, k = a.top_k, E = a.E, H = a.H, IS = a.IS, P = T * k;
-
-  // Expert-sorted order of the P pairs: offsets[E+1], rows[P], pos[P], and the per-tile counts and bases.
+// The expert-sorted order of the P = T·k pairs (backend/scratch.h: MoeSort): offsets[E+1], rows[P], pos[P].
+MoeSort sort_pairs(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const Route& r) {
   MoeSortArgs sa{};
-  sa.P = P, sa.k = k, sa.E = E, sa.tiles = int(cdiv(P, MOE_SORT_TILE));
-  const size_t off_b = align256(size_t(E + 1) * 4), pair_b = align256(size_t(P) * 4);
-  const size_t tile_b = align256(size_t(sa.tiles) * E * 4);
-  char* sb = static_cast<char*>(enc.scratch(kSlotMoeSort, off_b + 2 * pair_b + 2 * tile_b));
-  int32_t* offsets = reinterpret_cast<int32_t*>(sb);
-  int32_t* rows = reinterpret_cast<int32_t*>(sb + off_b);
-  int32_t* pos = reinterpret_cast<int32_t*>(sb + off_b + pair_b);
-  int32_t* tile_counts = reinterpret_cast<int32_t*>(sb + off_b + 2 * pair_b);
-  int32_t* tile_base = reinterpret_cast<int32_t*>(sb + off_b + 2 * pair_b + tile_b);
+  sa.P = a.T * a.top_k, sa.k = a.top_k, sa.E = a.E;
+  const bool scan = opts.on(Opt::moe_sort_scan);
+  sa.tiles = scan ? 0 : int(cdiv(sa.P, MOE_SORT_TILE));  // the tiled sort's per-tile counts and bases
+  const Parts<5> sp = moe_sort_parts(a.E, sa.P, sa.tiles);
+  const MoeSort s = moe_sort_at(enc.scratch(kSlotMoeSort, sp.bytes), sp);
+
+  if (scan) {
+    enc.kernel("moe_sort_scan");
+    enc.set_args(sa);
+    enc.set_buffer(1, r.ids);      // ids
+    enc.set_buffer(2, s.offsets);  // offsets
+    enc.set_buffer(3, s.rows);     // rows
+    enc.set_buffer(4, s.pos);      // pos
+    enc.dispatch({1, 1, 1}, {MOE_SORT_SCAN_THREADS, 1, 1});
+    return s;
+  }
 
   enc.kernel("moe_hist");
   enc.set_args(sa);
-  enc.set_buffer(1, r.ids);        // ids
-  enc.set_buffer(2, tile_counts);  // tile_counts
+  enc.set_buffer(1, r.ids);          // ids
+  enc.set_buffer(2, s.tile_counts);  // tile_counts
   enc.dispatch({uint32_t(sa.tiles), 1, 1}, {MOE_SORT_TILE, 1, 1});
 
   enc.kernel("moe_scan");
   enc.set_args(sa);
-  enc.set_buffer(1, tile_counts);  // tile_counts
-  enc.set_buffer(2, tile_base);    // tile_base
-  enc.set_buffer(3, offsets);      // offsets
+  enc.set_buffer(1, s.tile_counts);  // tile_counts
+  enc.set_buffer(2, s.tile_base);    // tile_base
+  enc.set_buffer(3, s.offsets);      // offsets
   enc.dispatch({1, 1, 1}, {MOE_MAX_EXPERTS, 1, 1});
 
   enc.kernel("moe_scatter");
   enc.set_args(sa);
   enc.set_buffer(1, r.ids);        // ids
-  enc.set_buffer(2, tile_base);    // tile_base
-  enc.set_buffer(3, offsets);      // offsets
-  enc.set_buffer(4, rows);         // rows
-  enc.set_buffer(5, pos);          // pos
+  enc.set_buffer(2, s.tile_base);  // tile_base
+  enc.set_buffer(3, s.offsets);    // offsets
+  enc.set_buffer(4, s.rows);       // rows
+  enc.set_buffer(5, s.pos);        // pos
   enc.dispatch({uint32_t(sa.tiles), 1, 1}, {MOE_SORT_TILE, 1, 1});
+  return s;
+}
+
+void moe_prefill(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWeights& w, const uint16_t* m,
+                 const Route& r, uint16_t* out) {
+  const int T = a.T, k = a.top_k, H = a.H, IS = a.IS, P = T * k;
+  const MoeSort sort = sort_pairs(enc, opts, a, r);
+  const int32_t *offsets = sort.offsets, *rows = sort.rows, *pos = sort.pos;
 
   // Routed experts on the sorted rows: h = silu(m·W_gateᵀ) ⊙ (m·W_upᵀ), then yd = h·W_downᵀ.
   uint16_t* h = static_cast<uint16_t*>(enc.scratch(kSlotMoeHidden, size_t(P) * a.I * sizeof(uint16_t)));
@@ -121,12 +131,12 @@ void moe_prefill(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint
   moe_gemm(enc, w.down, nullptr, offsets, nullptr, P, h, yd);
 
   // Shared expert: g, u f32 by qmm, sh = silu(g)·u (bf16), s = sh·W_sdᵀ.
-  const size_t gu_b = align256(size_t(T) * IS * sizeof(float)), sh_b = align256(size_t(T) * IS * sizeof(uint16_t));
-  char* shb = static_cast<char*>(enc.scratch(kSlotMoeShared, 2 * gu_b + sh_b + size_t(T) * H * sizeof(uint16_t)));
-  float* sg = reinterpret_cast<float*>(shb);
-  float* su = reinterpret_cast<float*>(shb + gu_b);
-  uint16_t* sh = reinterpret_cast<uint16_t*>(shb + 2 * gu_b);
-  uint16_t* s = reinterpret_cast<uint16_t*>(shb + 2 * gu_b + sh_b);
+  const Parts<4> shp = moe_shared_parts(T, IS, H);
+  void* shb = enc.scratch(kSlotMoeShared, shp.bytes);
+  float* sg = shp.at<float>(shb, kSharedG);
+  float* su = shp.at<float>(shb, kSharedU);
+  uint16_t* sh = shp.at<uint16_t>(shb, kSharedH);
+  uint16_t* s = shp.at<uint16_t>(shb, kSharedS);
   qmm(enc, w.shared_gate, m, T, sg, true);
   qmm(enc, w.shared_up, m, T, su, true);
   const MoeSwigluArgs swa{T * IS};
@@ -152,29 +162,23 @@ void moe_prefill(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint
 
 }  // namespace
 
-void moe(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint16_t* m, uint16_t* out) {
-  LILY_CHECK(a.T >= 0, "moe: T = ", a.T, " is negative");
-  LILY_CHECK(a.E >= 1 && a.E <= MOE_MAX_EXPERTS, "moe: E = ", a.E, " must be in [1, ", MOE_MAX_EXPERTS, "]");
-  LILY_CHECK(a.top_k >= 1 && a.top_k <= std::min(a.E, 32), "moe: top_k = ", a.top_k, " must be in [1, min(E, 32)]");
-  LILY_CHECK(a.H > 0 && a.H % 8 == 0, "moe: H = ", a.H, " must be a positive multiple of 8");
-  LILY_CHECK(a.I > 0 && a.I % 8 == 0 && a.IS > 0 && a.IS % 8 == 0, "moe: I = ", a.I, " and IS = ", a.IS,
-             " must be positive multiples of 8");
-  for (const MoeMatrix& mm : check_moe_matrices(a, w)) {  // present, shaped, 4 or 8 bits; then these kernels' rules
+void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWeights& w, const uint16_t* m,
+         uint16_t* out) {
+  const std::array<MoeMatrix, 8> matrices = check_moe(a, w, m, out);  // backend/checks.h; then these kernels' rules
+  LILY_CHECK(a.I % 8 == 0 && a.IS % 8 == 0, "moe: I = ", a.I, " and IS = ", a.IS, " must be multiples of 8");
+  for (const MoeMatrix& mm : matrices) {
     LILY_CHECK(mm.q.group > 0 && mm.q.group % 8 == 0 && mm.K % mm.q.group == 0, "moe: ", mm.name, " has group=",
                mm.q.group, ", which must divide K=", mm.K, " and be a multiple of 8");
     LILY_CHECK(uint64_t(mm.E) * mm.N * mm.q.words_per_row() < (uint64_t(1) << 32), "moe: ", mm.name,
                " has too many codes for 32-bit indices");
   }
-  LILY_CHECK(aligned(m, 16), "moe: m must be 16-byte aligned");
   LILY_CHECK(int64_t(a.T) * (a.top_k + 1) * std::max({a.H, a.I, a.IS, a.E}) < (int64_t(1) << 31),
              "moe: T·(top_k+1)·max(H, I, IS, E) must stay below 2^31");
   if (a.T == 0) return;
 
   float* logits = static_cast<float*>(enc.scratch(kSlotMoeLogits, size_t(a.T) * a.E * sizeof(float)));
-  const size_t tk = align256(size_t(a.T) * a.top_k * 4);
-  char* rb = static_cast<char*>(enc.scratch(kSlotMoeRoute, 2 * tk + size_t(a.T) * sizeof(float)));
-  const Route r{reinterpret_cast<int32_t*>(rb), reinterpret_cast<float*>(rb + tk),
-                reinterpret_cast<float*>(rb + 2 * tk)};
+  const Parts<3> rp = moe_route_parts(a.T, a.top_k);
+  const Route r = moe_route_at(enc.scratch(kSlotMoeRoute, rp.bytes), rp);
 
   qmm(enc, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
   const MoeRouteArgs ra{a.T, a.E, a.top_k, a.H, w.shared_expert_gate.group, a.norm_topk_prob ? 1 : 0};
@@ -191,7 +195,7 @@ void moe(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint16_t* m,
   if (decode_fits(a, w))
     moe_decode(enc, a, w, m, r, out);
   else
-    moe_prefill(enc, a, w, m, r, out);
+    moe_prefill(enc, opts, a, w, m, r, out);
 }
 
 }  // namespace lily::metal

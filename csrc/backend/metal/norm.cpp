@@ -6,6 +6,7 @@
 #include <string>
 
 #include "../../../metal/norm_args.h"
+#include "backend/checks.h"
 #include "backend/metal/ops.h"
 #include "core/common.h"
 
@@ -13,7 +14,7 @@ namespace lily::metal {
 
 namespace {
 
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+static_assert(8 * 4 * 32 * kNormMaxSimdgroups == kNormMaxH, "rows of up to 1024 threads × 8 float4 chunks");
 
 // The instance (VPT float4 chunks per thread) and the threads (a multiple of 32) that cover a row of H values.
 struct NormLaunch {
@@ -27,27 +28,12 @@ NormLaunch plan_rms_norm(const char* name, int H) {
   return {cat(name, "_c", vpt), uint32_t(ceil_div(ceil_div(H4, vpt), 32) * 32)};
 }
 
-void check_norm(const char* name, int T, int H, const float* x, const float* w, const uint16_t* d,
-                const uint16_t* out) {
-  LILY_CHECK(T >= 0, name, ": T = ", T, " is negative");
-  LILY_CHECK(H > 0 && H % 4 == 0 && H <= 8 * 4 * 32 * kNormMaxSimdgroups, name, ": H = ", H,
-             " must be a positive multiple of 4 and at most ", 8 * 4 * 32 * int(kNormMaxSimdgroups));
-  LILY_CHECK(aligned(x, 16) && aligned(w, 16) && aligned(d, 8) && aligned(out, 8), name,
-             ": x and w must be 16-byte aligned, d and out 8-byte aligned");
-}
-
 }  // namespace
 
 void embed(Encoder& enc, const QMatrix& table, const int32_t* tokens, int T, float* x) {
-  LILY_CHECK(table.E == 1, "embed: the table must be a single matrix, got a stack of ", table.E);
-  LILY_CHECK(T >= 0, "embed: T = ", T, " is negative");
-  LILY_CHECK(table.bits == 4 || table.bits == 8, "embed: ", table.bits, "-bit tables are not supported (4 or 8)");
-  const int per_word = 32 / table.bits;
-  LILY_CHECK(table.group > 0 && table.group % per_word == 0 && table.K % table.group == 0, "embed: group ",
-             table.group, " must divide K = ", table.K, " and be a multiple of ", per_word);
-  LILY_CHECK(aligned(x, 16), "embed: x must be 16-byte aligned");
+  check_embed(table, T, x);
   if (T == 0) return;
-  const int words = table.K / per_word;
+  const int words = table.K / (32 / table.bits);
   enc.kernel(table.bits == 4 ? "embed_q4" : "embed_q8");
   enc.set_args(EmbedKernelArgs{table.K, table.group});
   enc.set_buffer(1, table.w);       // w

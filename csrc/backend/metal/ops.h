@@ -6,16 +6,13 @@
 #pragma once
 #include "backend/backend.h"
 #include "backend/metal/encoder.h"
+#include "backend/scratch.h"
 
 namespace lily::metal {
 
-// Scratch slots, one set per op file so buffers never alias within a forward pass.
-enum Slot : int {
-  kSlotMoeLogits, kSlotMoeRoute, kSlotMoeSort, kSlotMoeHidden, kSlotMoeOut, kSlotMoeShared,
-  kSlotAttnQ, kSlotAttnPartial,
-  kSlotGdn,
-  kNumSlots
-};
+// Scratch slots and the layouts of the buffers several kernels share: backend/scratch.h (the same for CUDA).
+// A launcher that has an ablation switch (core/optimisations.h) takes the backend's Optimisations; off means the plain
+// path.
 
 // Largest T handled by the GEMV kernels; above it the simdgroup-matrix GEMM.
 constexpr int kQmvMaxT = 8;
@@ -38,15 +35,17 @@ void attention(Encoder& enc, const AttnArgs& a, const uint16_t* qg, const uint16
 
 // gdn.cpp (metal/gdn.metal)
 void gdn_conv(Encoder& enc, const GdnArgs& a, const uint16_t* x, const float* w, uint16_t* conv_state, uint16_t* out);
-void gdn_scan(Encoder& enc, const GdnArgs& a, const uint16_t* c, const uint16_t* b, const uint16_t* alpha,
-              const float* A_log, const float* dt_bias, float* state, uint16_t* y);
+// gdn_scan: the chunked prefill when backend/policy.h's gdn_chunked says so (switch gdn_chunked), else token by token.
+void gdn_scan(Encoder& enc, const Optimisations& opts, const GdnArgs& a, const uint16_t* c, const uint16_t* b,
+              const uint16_t* alpha, const float* A_log, const float* dt_bias, float* state, uint16_t* y);
 void gdn_norm(Encoder& enc, const GdnArgs& a, const uint16_t* y, const uint16_t* z, const float* w, uint16_t* out);
 
-// moe.cpp (metal/moe.metal)
-void moe(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint16_t* m, uint16_t* out);
+// moe.cpp (metal/moe.metal); the prefill sort is one threadgroup with the switch moe_sort_scan on
+void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWeights& w, const uint16_t* m,
+         uint16_t* out);
 
-// sample.cpp (metal/sample.metal): core/sample.h's rules on the device, as cuda::sample.
-bool can_sample(const SamplingParams& p, int n_valid);
+// sample.cpp (metal/sample.metal): core/sample.h's rules on the device, as cuda::sample, for the parameters that
+// backend/policy.h: device_can_sample accepts.
 void sample(Encoder& enc, const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st);
 
 }  // namespace lily::metal

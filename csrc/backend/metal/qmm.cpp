@@ -14,7 +14,7 @@ namespace lily::metal {
 
 namespace {
 
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+static_assert(kQmvMaxSegs == kQmvMaxMatrices, "metal/qmm_args.h and backend/checks.h disagree on qmm_multi");
 
 int log2_exact(int v) {
   int s = 0;
@@ -39,16 +39,9 @@ constexpr const char* kQmvNames[2][kQmvMaxT] = {
 
 // n (1..kQmvMaxSegs) matrices of equal K, bits and group size reading the same x.
 void qmv(Encoder& enc, const QMatrix* Ws, int n, const uint16_t* x, int T, void* const* ys, bool y_f32) {
+  check_qmv(Ws, n, x, T, kQmvMaxT, ys);  // backend/checks.h; then these kernels' index width
+  for (int i = 0; i < n; ++i) check_weight(Ws[i], "qmm", "W");
   const QMatrix& W = Ws[0];
-  for (int i = 0; i < n; ++i) {
-    check_weight(Ws[i], "qmm", "W");
-    LILY_CHECK(Ws[i].E == 1, "qmm: W must be one matrix (E=", Ws[i].E, ")");
-    LILY_CHECK(Ws[i].K == W.K && Ws[i].bits == W.bits && Ws[i].group == W.group,
-               "qmm_multi: matrices sharing a dispatch need the same K, bits and group size");
-    LILY_CHECK(ys[i], "qmm: null y");
-  }
-  LILY_CHECK(T >= 1 && T <= kQmvMaxT, "qmm: T=", T, " is outside [1, ", kQmvMaxT, "] for the GEMV");
-  LILY_CHECK(x && aligned(x, 16), "qmm: x is null or not 16-byte aligned");
 
   QmvArgs a{};
   a.K = W.K;
@@ -99,10 +92,8 @@ void qmm(Encoder& enc, const QMatrix& W, const uint16_t* x, int T, void* y, bool
     qmv(enc, &W, 1, x, T, &y, y_f32);
     return;
   }
+  check_qmm(W, x, y);
   check_weight(W, "qmm", "W");
-  LILY_CHECK(W.E == 1, "qmm: W must be one matrix (E=", W.E, ")");
-  LILY_CHECK(x && y, "qmm: null x or y");
-  LILY_CHECK(aligned(x, 16), "qmm: x is not 16-byte aligned");
   LILY_CHECK(int64_t(T) * std::max(W.N, W.K) < (int64_t(1) << 31), "qmm: T=", T, " with N=", W.N, ", K=", W.K,
              " is too large for 32-bit indexing");
 
@@ -122,7 +113,7 @@ void qmm(Encoder& enc, const QMatrix& W, const uint16_t* x, int T, void* y, bool
 }
 
 void qmm_multi(Encoder& enc, const QMatrix* W, int n, const uint16_t* x, int T, uint16_t* const* y) {
-  LILY_CHECK(n >= 1 && n <= kQmvMaxSegs, "qmm_multi: ", n, " matrices, 1 to ", int(kQmvMaxSegs), " supported");
+  LILY_CHECK(n >= 1 && n <= kQmvMaxMatrices, "qmm_multi: ", n, " matrices, 1 to ", kQmvMaxMatrices, " supported");
   if (T <= kQmvMaxT) {
     void* ys[kQmvMaxSegs] = {};
     for (int i = 0; i < n; ++i) ys[i] = y[i];

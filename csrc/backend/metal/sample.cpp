@@ -4,22 +4,17 @@
 
 #include "../../../metal/sample_args.h"
 #include "backend/metal/ops.h"
+#include "backend/policy.h"
 #include "core/common.h"
 
 namespace lily::metal {
 
 static_assert(SAMPLE_RESULT_SLOTS == kResultSlots, "metal/sample_args.h and backend.h disagree on the result slots");
-
-bool can_sample(const SamplingParams& p, int n_valid) {
-  if (p.top_logprobs > 0) return false;
-  if (p.temperature == 0.0f) return true;
-  const int k = (p.top_k > 0 && p.top_k < n_valid) ? p.top_k : n_valid;
-  return k <= SAMPLE_MAX_CAND;
-}
+static_assert(SAMPLE_MAX_CAND == kSampleMaxCand, "metal/sample_args.h and backend/policy.h disagree on the candidates");
 
 void sample(Encoder& enc, const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st) {
   LILY_CHECK(n_valid >= 1, "Metal sample: n_valid = ", n_valid, " must be at least 1");
-  LILY_CHECK(can_sample(p, n_valid), "Metal sample: these sampling parameters need the host sampler");
+  LILY_CHECK(device_can_sample(p, n_valid), "Metal sample: these sampling parameters need the host sampler");
   LILY_CHECK(logits && st.counts && st.seen && st.step && st.token && st.results,
              "Metal sample: logits and every DeviceSampler buffer but pos must be set");
   SampleKernelArgs a{};
