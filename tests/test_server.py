@@ -601,3 +601,13 @@ def test_openai_history_renders_with_the_real_template(new_tiny_model):
     with pytest.raises(RequestError, match="No user query found") as err:
         render_chat(model, no_query)
     assert err.value.status == 400 and err.value.param == "messages"
+
+
+def test_message_without_content_is_refused():
+    """As OpenAI's API and the Python API (lily.chat.check_messages): only an assistant turn with tool calls may leave
+    its content out."""
+    with pytest.raises(RequestError, match=r"'messages\[1\].content' is missing") as err:
+        normalize_messages([{"role": "system", "content": "s"}, {"role": "user"}])
+    assert err.value.status == 400 and err.value.param == "messages[1].content"
+    assert normalize_messages([{"role": "user", "content": "u"}, {"role": "assistant", "content": None,
+                                                                  "tool_calls": []}])[1]["content"] == ""
