@@ -12,6 +12,9 @@ import pytest
 import lily
 
 pexpect = pytest.importorskip("pexpect")
+# pexpect forks the terminal's child from this multi-threaded process (the CPU backend's pool); the child only
+# execs Python, so Python 3.12's warning about forking with threads does not apply.
+pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of forkpty:DeprecationWarning")
 
 CHUNK = 64
 ENV = {**os.environ, "PYTHONIOENCODING": "utf-8", "PYTHONUNBUFFERED": "1", "TERM": "xterm"}

@@ -190,3 +190,20 @@ def test_interrupt_inside_a_decode_step_keeps_the_session_consistent(new_tiny_mo
     prompt_len = len(session.tokens) - 4  # the host loop holds the 5th token back: it is pending
     assert session.pending is not None and session.tokens[:prompt_len] == model.encode_prompt(messages)
     assert session.messages == messages + [{"role": "assistant", "content": "".join(shown)}]
+
+
+def test_prefill_off_the_main_thread(tiny_model, prompt):
+    """Only the main thread sees signals; another thread's prefill still reports progress when asked (a server's
+    worker thread asks for nothing, and its prefill takes no lock between chunks)."""
+    calls, results = [], {}
+
+    def work():
+        results["plain"] = tiny_model.session(prefill_chunk=CHUNK).prefill(prompt)
+        results["reported"] = tiny_model.session(prefill_chunk=CHUNK).prefill(prompt, progress=lambda *a: calls.append(a))
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    n = len(prompt)
+    assert calls == [(0, n)] + [(d, n) for d in range(CHUNK, n, CHUNK)] + [(n, n)]
+    np.testing.assert_array_equal(results["plain"], results["reported"])

@@ -171,12 +171,16 @@ int token_count(const Tokens& tokens, const Session* room_in = nullptr) {
 
 using Progress = std::optional<nb::callable>;
 
+unsigned long main_thread_id = 0;  // Python's main thread: the only one that runs signal handlers
+
 // The hook of a prefill called from Python (model.h, ChunkHook). Between chunks, with the GIL held, it runs the
 // pending signal handlers, so that Ctrl-C raises KeyboardInterrupt there rather than after the whole prefill, then
 // the progress callback with (done, total). An exception from either stops the prefill and leaves the call; the
-// session holds the chunks done. The callback is borrowed: the caller's argument outlives the call.
+// session holds the chunks done. The callback is borrowed: the caller's argument outlives the call. Off the main
+// thread and without a callback there is nothing to do between chunks: no hook (no GIL taken, no device sync).
 ChunkHook python_hook(const Progress& progress) {
   PyObject* callback = progress ? progress->ptr() : nullptr;
+  if (!callback && PyThread_get_thread_ident() != main_thread_id) return nullptr;
   return [callback](int done, int total) {
     nb::gil_scoped_acquire gil;
     if (PyErr_CheckSignals() != 0) throw nb::python_error();
@@ -195,6 +199,7 @@ nb::ndarray<nb::numpy, float> new_array(std::vector<size_t> shape) {
 }  // namespace
 
 void init_model(nb::module_& m) {
+  main_thread_id = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
