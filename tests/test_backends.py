@@ -110,6 +110,22 @@ def test_the_commands_say_which_backend_runs():
     assert "[cpu | prompt " in p.stderr
 
 
+def test_serve_and_bench_say_which_backend_runs(tmp_path):
+    cpu = lily.backends()[-1]
+    proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--model", "tiny", "--port", "0", "--log-level",
+                             "warning"], stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert first == f"lily: tiny on cpu ({cpu.device})\n"
+    p = subprocess.run([sys.executable, "-m", "lily", "bench", "--model", "tiny", "--lengths", "8", "--decode-tokens",
+                        "2", "--out", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith(f"lily bench: cpu on {cpu.device}, "), p.stdout + p.stderr
+    assert (tmp_path / "b.json").is_file()
+
+
 def test_auto_on_cpu_says_why_a_compiled_gpu_backend_was_passed_over(monkeypatch, capsys):
     from lily import cli
 

@@ -62,7 +62,7 @@ def test_ctrl_c_stops_a_long_prefill_within_one_chunk(tiny_model, tokens_per_sec
     read = int(child.match.group(1).replace(",", ""))
     assert _finish(child) == 130
     assert read % CHUNK == 0 and 0 < read < len(tiny_model.tokenizer.encode(prompt))
-    assert elapsed < 2 * CHUNK / rate + 3.0, (elapsed, rate)  # the chunk in flight, then out
+    assert elapsed < 3 * CHUNK / rate + 5.0, (elapsed, rate)  # the chunk in flight, then out (slack for load)
 
 
 def test_prefill_progress_without_a_terminal(tiny_model, tokens_per_second):

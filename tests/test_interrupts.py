@@ -81,7 +81,7 @@ def test_ctrl_c_without_a_progress_callback(tiny_model, rng):
     position = session.core.position
     assert 0 < position < len(prompt) and position % CHUNK == 0
     assert session.tokens == prompt[:position]
-    assert elapsed < 0.3 + 2 * per_chunk + 1.0, (elapsed, position, per_chunk)
+    assert elapsed < 0.3 + 3 * per_chunk + 3.0, (elapsed, position, per_chunk)  # slack for a loaded machine
 
 
 def test_an_exception_from_the_progress_callback_stops_the_prefill(tiny_model, prompt):

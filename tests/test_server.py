@@ -252,12 +252,13 @@ def _start_cli_server(cache_dir: Path) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--model", "tiny", "--port", "0",
                              "--max-context", str(MAX_CONTEXT), "--cache-dir", str(cache_dir),
                              "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
-    line = proc.stderr.readline()
-    match = re.search(r"serving tiny at http://127\.0\.0\.1:(\d+)/v1", line)
-    if match is None:
-        proc.kill()
-        pytest.fail(f"the server did not start: {line}{proc.stderr.read()}")
-    return proc, int(match.group(1))
+    seen = []
+    for line in proc.stderr:  # "lily: tiny on cpu (…)" first, then the address
+        if match := re.search(r"serving tiny at http://127\.0\.0\.1:(\d+)/v1", line):
+            return proc, int(match.group(1))
+        seen.append(line)
+    proc.kill()
+    pytest.fail(f"the server did not start: {''.join(seen)}")
 
 
 def _stop(proc: subprocess.Popen) -> None:

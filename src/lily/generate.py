@@ -164,7 +164,7 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         session.ended_on_eos = bool(returned) and returned[-1] in model.eos_token_ids
 
     epoch = session.core.epoch  # the state as this generation's last step left it
-    first = True
+    first, last, recorded = True, False, False
     while True:
         try:
             with session.exclusive():
@@ -173,14 +173,16 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
                 except KeyboardInterrupt:  # maybe between gen.next() and the bookkeeping: the core knows
                     session.tokens = prompt_ids + gen.tokens[:session.core.position - len(prompt_ids)]
                     remember(gen.tokens)
+                    recorded = True
                     raise
                 epoch = session.core.epoch
             if first and progress is not None:  # the prefill is complete once the first step is
                 progress(len(new), len(new))
             first = False
             yield response
-        except GeneratorExit:  # closed early (the consumer stopped, e.g. at Ctrl-C): keep the reply so far
-            if not last and session.core.epoch == epoch:  # unless something else used the session since
+        except (GeneratorExit, KeyboardInterrupt):  # closed early (the consumer stopped, e.g. at Ctrl-C), or
+            # interrupted between steps: keep the reply so far, unless something else used the session since
+            if not (recorded or last) and session.core.epoch == epoch:
                 with contextlib.suppress(SessionConflictError), session.exclusive():
                     remember(generated)
             raise
