@@ -207,3 +207,22 @@ def test_prefill_off_the_main_thread(tiny_model, prompt):
     n = len(prompt)
     assert calls == [(0, n)] + [(d, n) for d in range(CHUNK, n, CHUNK)] + [(n, n)]
     np.testing.assert_array_equal(results["plain"], results["reported"])
+
+
+def test_interrupt_between_steps_keeps_the_reply(new_tiny_model):
+    """KeyboardInterrupt after a step's bookkeeping (here: in the progress callback's last call, which follows the
+    first step) records the conversation as the state holds it."""
+    model = new_tiny_model()
+    model.eos_token_ids = []
+    session = model.session()
+
+    def progress(done, total):
+        if done == total:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        list(session.stream_generate(_conversation(), max_tokens=40, seed=2, progress=progress))
+    assert session.messages[:-1] == _conversation() and session.messages[-1]["role"] == "assistant"
+    assert session.core.position == len(session.tokens) and session.pending is not None  # one token, not yet fed
+    reference = model.session().stream_generate(_conversation(), max_tokens=40, seed=2)
+    assert session.messages[-1]["content"] == next(reference).text
