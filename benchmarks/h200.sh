@@ -18,7 +18,7 @@ if ls .whl/lily-*-cp312-*.whl >/dev/null 2>&1; then
 else
   python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
 fi
-python3 -c "import lily; print('lily', lily.__file__, lily.backends())" || exit 1
+python3 -c "import lily; print('lily', lily.__file__); print(*lily.backends(), sep='\n')" || exit 1
 echo "install: $(( $(date +%s) - t0 )) s"
 for step in $steps; do
   t=$(date +%s)

@@ -1,6 +1,7 @@
 """Shared fixtures: the oracle checkpoints of tests/oracle.py (built once per run, on first use), the Lily
 models loaded from them, the built-in tiny model, and a fresh random generator per test."""
 
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -11,6 +12,11 @@ import pytest
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
+
+# The tests compare the CPU reference with mlx-lm: a model loaded without a backend runs on the CPU here (and in the
+# `lily` commands the tests start), where lily.load's own default would pick a GPU. GPU tests name their backend;
+# the tests of the default choice itself (test_backends.py) unset this.
+os.environ["LILY_BACKEND"] = "cpu"
 
 import lily  # noqa: E402
 from lily.tiny import build_tiny  # noqa: E402

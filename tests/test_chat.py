@@ -239,3 +239,26 @@ def test_tiny_chat_template():
     assert tok.apply_chat_template(messages, add_generation_prompt=False) == body
     with pytest.raises(ValueError, match="Unexpected message role: robot"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+@pytest.mark.parametrize("message, problem", [
+    ({"role": "user"}, r"messages\[1\] \(user\) has no content: every message needs a 'content'"),
+    ({"role": "user", "content": None}, r"messages\[1\] \(user\) has no content"),
+    ({"role": "assistant", "reasoning_content": "r"}, r"messages\[1\] \(assistant\) has no content"),
+    ({"role": "user", "content": 7}, r"messages\[1\].content must be a string or a list of content parts, got int"),
+    ({"content": "x"}, r"messages\[1\].role is missing"),
+])
+def test_message_without_content_is_refused(message, problem):
+    """transformers renders such a message as an empty turn, without a word; Lily refuses it, naming it."""
+    tok = Tokenizer.from_json(make_tokenizer_json(n_merges=20), chat_template=TINY_CHAT_TEMPLATE)
+    with pytest.raises(ValueError, match=problem):
+        tok.apply_chat_template([{"role": "system", "content": "S"}, message])
+    # An assistant turn that only calls tools may leave its content out, as in OpenAI's API.
+    tok.apply_chat_template([{"role": "user", "content": "U"}, {"role": "assistant", "tool_calls": []}])
+
+
+def test_generate_refuses_a_message_without_content(tiny_model):
+    import lily
+
+    with pytest.raises(ValueError, match=r"messages\[0\] \(user\) has no content"):
+        lily.generate(tiny_model, [{"role": "user", "text": "hi"}], max_tokens=1)

@@ -1,5 +1,8 @@
-"""The `lily` command (python -m lily and the console script): generate, chat over stdin, bad model paths."""
+"""The `lily` command (python -m lily and the console script): generate, chat over stdin and its commands, the
+backend line, bad model paths and the other errors a user meets first. Interactive use (Ctrl-C in a terminal) is
+tests/test_cli_terminal.py."""
 
+import json
 import os
 import re
 import shutil
@@ -9,9 +12,10 @@ import sys
 import pytest
 
 import lily
+from lily.tiny import build_tiny, write_checkpoint
 
-STATS = re.compile(r"\[prompt (\d+) tokens \((\d+) cached\) [\d.]+ tok/s \| generated (\d+) tokens [\d.]+ tok/s \| "
-                   r"finish (\w+) \| peak [\d.]+ GB\]")
+STATS = re.compile(r"\[\w+ \| prompt (\d+) tokens \((\d+) cached\) [\d.]+ tok/s \| generated (\d+) tokens [\d.]+ "
+                   r"tok/s \| finish (\w+) \| peak [\d.]+ GB\]")
 
 
 def _run(argv: list[str], stdin: str = "") -> tuple[int, str, str]:
@@ -30,6 +34,7 @@ def _check_generate(tiny_model, code: int, out: str, err: str) -> None:
     assert out == "".join(r.text for r in responses) + "\n"
     stats = STATS.search(err)
     assert stats, err
+    assert err.startswith("lily: tiny on cpu (") and stats.group(0).startswith("[cpu | "), err
     prompt_tokens, cached, generated, finish = stats.groups()
     assert int(prompt_tokens) == responses[-1].prompt_tokens and int(cached) == 0
     assert int(generated) == len(responses) and finish == responses[-1].finish_reason
@@ -64,3 +69,130 @@ def test_bad_model_path_exits_2(tmp_path):
     assert code == 2
     assert str(missing) in err and "lily: error" in err
     assert out == ""
+
+
+def _chat(stdin: str, *flags: str) -> tuple[int, str, str]:
+    return _run([sys.executable, "-m", "lily", "chat", "--model", "tiny", "--max-tokens", "3", "--seed", "1", "--stats",
+                 *flags], stdin=stdin)
+
+
+def test_chat_commands():
+    code, out, err = _chat("/help\n/frobnicate now\n//slash\n/reset\nhello\n/quit\nnever sent\n")
+    assert code == 0, err
+    assert "/reset" in err and "/exit, /quit" in err and "Ctrl-C" in err  # /help lists the commands
+    assert "unknown command '/frobnicate': /help lists the commands" in err
+    assert "[conversation cleared]" in err
+    turns = STATS.findall(err)
+    assert len(turns) == 2, err  # "//slash" and "hello": the commands and the line after /quit are not sent
+    assert int(turns[1][1]) == 0  # /reset emptied the session: the second turn reuses nothing
+    assert out.count(">> ") == 6  # one prompt per line read, up to /quit
+
+
+@pytest.mark.parametrize("leave", ["/exit", "/quit", "exit", "quit", ""])
+def test_chat_leaves(leave):
+    code, out, err = _chat(f"{leave}\nnever sent\n" if leave else "")  # "": end of input (Ctrl-D)
+    assert code == 0, err
+    assert not STATS.findall(err) and out.count(">> ") == 1
+
+
+def test_slash_message_is_sent_without_the_escape(tiny_model):
+    code, out, _ = _run([sys.executable, "-m", "lily", "chat", "--model", "tiny", "--max-tokens", "5", "--seed", "3"],
+                        stdin="//etc/hosts\n")
+    reply = "".join(r.text for r in lily.stream_generate(tiny_model, [{"role": "user", "content": "/etc/hosts"}],
+                                                          max_tokens=5, seed=3))
+    assert code == 0 and out == f">> {reply}\n>> \n"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_checkpoint(build_tiny(), tmp_path_factory.mktemp("tiny-ckpt"))
+
+
+def _copy(src, dst, edit=None):
+    shutil.copytree(src, dst)
+    if edit:
+        edit(dst)
+    return dst
+
+
+def test_checkpoint_without_chat_template_points_to_raw(tiny_dir, tmp_path):
+    bare = _copy(tiny_dir, tmp_path / "bare", lambda d: (d / "chat_template.jinja").unlink())
+    code, out, err = _run([sys.executable, "-m", "lily", "generate", "--model", str(bare), "--prompt", "hi"])
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == (f"lily: error: {bare}: the checkpoint has no chat template (no chat_template.jinja, "
+                                    "no chat_template in tokenizer_config.json): use --raw to feed the prompt as is")
+    code, _, err = _run([sys.executable, "-m", "lily", "chat", "--model", str(bare)], stdin="hi\n")
+    assert code == 2 and "lily chat needs one; `lily generate --raw` runs a prompt as is" in err
+    code, out, err = _run([sys.executable, "-m", "lily", "generate", "--model", str(bare), "--prompt", "hi", "--raw",
+                           "--max-tokens", "2"])
+    assert code == 0 and "generated 2 tokens" in err, err
+    model = lily.load(bare)  # the Python API says the same, without a command line to point to
+    with pytest.raises(ValueError, match=r"no chat template .* give the prompt as text or token ids instead \(on the "
+                                         r"command line: lily generate --raw\)"):
+        lily.generate(model, [{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_max_tokens_default_is_the_checkpoints_max_new_tokens_else_256(tiny_dir, tmp_path):
+    code, out, _ = _run([sys.executable, "-m", "lily", "generate", "--help"])
+    assert code == 0 and ("--max-tokens N most tokens to generate per reply (default: max_new_tokens of the model's "
+                          "generation_config.json, else 256)") in " ".join(out.split()), out
+
+    def cap(d):
+        gen = json.loads((d / "generation_config.json").read_text())
+        (d / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 3}))
+
+    capped = _copy(tiny_dir, tmp_path / "capped", cap)
+    model = lily.load(capped)
+    model.eos_token_ids = []  # the count must not depend on an early EOS
+    assert len(list(lily.stream_generate(model, "hi"))) == 3
+    assert len(list(lily.stream_generate(model, "hi", max_tokens=5))) == 5
+    uncapped = lily.load(tiny_dir)
+    uncapped.eos_token_ids = []
+    assert lily.SamplingParams.from_generation_config(uncapped.generation_config).max_tokens == 256
+    for extra, count in (([], 3), (["--max-tokens", "4"], 4)):
+        code, _, err = _run([sys.executable, "-m", "lily", "generate", "--model", str(capped), "--prompt", "hi",
+                             "--temperature", "0", *extra])
+        stats = STATS.search(err)
+        assert code == 0 and stats and (int(stats.group(3)) == count or stats.group(4) == "stop"), err
+
+
+def test_bad_max_new_tokens_names_the_field(tiny_dir, tmp_path):
+    def bad(d):
+        (d / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0}))
+
+    broken = _copy(tiny_dir, tmp_path / "broken", bad)
+    with pytest.raises(lily.CheckpointError, match=r"generation_config.json: max_new_tokens must be an integer in "
+                                                   r"\[1, 2147483647\], got 0"):
+        lily.load(broken)
+
+
+@pytest.mark.parametrize("how", ["offline", "unreachable"])
+def test_hub_id_that_cannot_be_fetched_fails_in_one_line(tmp_path, how):
+    cache = tmp_path / "hf-cache"
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env.update({"HF_HUB_OFFLINE": "1"} if how == "offline" else {"HF_ENDPOINT": "http://127.0.0.1:9"})
+    p = subprocess.run([sys.executable, "-m", "lily", "generate", "--model", "someorg/no-such-model", "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert p.returncode == 2 and p.stdout == ""
+    assert len(p.stderr.splitlines()) == 1, p.stderr
+    line = p.stderr.strip()
+    assert line.startswith("lily: error: someorg/no-such-model: it is not in the Hugging Face cache (" + str(cache))
+    assert ("HF_HUB_OFFLINE is set" if how == "offline" else "the hub could not be reached (") in line
+    assert "to run a model from a local directory, pass its path instead" in line
+    # The Python API raises the same one line, with no chained traceback.
+    code = ("import lily\ntry:\n    lily.load('someorg/no-such-model')\nexcept FileNotFoundError as e:\n"
+            "    print(e.__cause__, e.__suppress_context__, e)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **env})
+    assert p.stdout.strip() == "None True " + line[len("lily: error: "):], p.stderr
+
+
+def test_forcing_an_unusable_backend_says_why():
+    for info in lily.backends():
+        if info.usable:
+            continue
+        code, out, err = _run([sys.executable, "-m", "lily", "generate", "--backend", info.name, "--prompt", "hi"])
+        assert code == 2 and out == ""
+        assert err.strip() == f"lily: error: backend '{info.name}' cannot run here: {info.reason}"
+    code, _, err = _run([sys.executable, "-m", "lily", "generate", "--backend", "gpu", "--prompt", "hi"])
+    assert code == 2 and err.strip().startswith("lily: error: unknown backend 'gpu' (Lily has auto, cuda, metal, cpu")

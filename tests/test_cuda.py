@@ -8,18 +8,8 @@ import lily
 from lily.tiny import TINY_TEXT_CONFIG, build_tiny
 
 
-def _cuda_usable() -> bool:
-    if "cuda" not in lily.backends():
-        return False
-    try:
-        lily._core.testing.run_op("cuda", "rms_norm", {"T": 1, "H": 64, "eps": 1e-6},
-                                  {"x": np.ones((1, 64), np.float32), "w": np.ones(64, np.float32)})
-        return True
-    except ValueError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _cuda_usable(), reason="CUDA backend not compiled in or no GPU available")
+CUDA = next(b for b in lily.backends() if b.name == "cuda")
+pytestmark = pytest.mark.skipif(not CUDA.usable, reason=f"the CUDA backend cannot run here: {CUDA.reason}")
 
 # Real head sizes (HD 256, DK = DV 128, top-8 of 64 experts, I = IS = 512) at a smaller width and depth.
 MID_TEXT_CONFIG = {**TINY_TEXT_CONFIG, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,

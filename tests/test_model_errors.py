@@ -195,7 +195,7 @@ def test_missing_model_directory(tmp_path, refused):
 
 def test_unknown_backend(good_dir, refused):
     message = refused(good_dir, ValueError, "nope", backend="nope")
-    for backend in lily.backends():
+    for backend in lily.backend_names():
         assert backend in message
 
 

@@ -252,12 +252,13 @@ def _start_cli_server(cache_dir: Path) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--model", "tiny", "--port", "0",
                              "--max-context", str(MAX_CONTEXT), "--cache-dir", str(cache_dir),
                              "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
-    line = proc.stderr.readline()
-    match = re.search(r"serving tiny at http://127\.0\.0\.1:(\d+)/v1", line)
-    if match is None:
-        proc.kill()
-        pytest.fail(f"the server did not start: {line}{proc.stderr.read()}")
-    return proc, int(match.group(1))
+    seen = []
+    for line in proc.stderr:  # "lily: tiny on cpu (…)" first, then the address
+        if match := re.search(r"serving tiny at http://127\.0\.0\.1:(\d+)/v1", line):
+            return proc, int(match.group(1))
+        seen.append(line)
+    proc.kill()
+    pytest.fail(f"the server did not start: {''.join(seen)}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -601,3 +602,13 @@ def test_openai_history_renders_with_the_real_template(new_tiny_model):
     with pytest.raises(RequestError, match="No user query found") as err:
         render_chat(model, no_query)
     assert err.value.status == 400 and err.value.param == "messages"
+
+
+def test_message_without_content_is_refused():
+    """As OpenAI's API and the Python API (lily.chat.check_messages): only an assistant turn with tool calls may leave
+    its content out."""
+    with pytest.raises(RequestError, match=r"'messages\[1\].content' is missing") as err:
+        normalize_messages([{"role": "system", "content": "s"}, {"role": "user"}])
+    assert err.value.status == 400 and err.value.param == "messages[1].content"
+    assert normalize_messages([{"role": "user", "content": "u"}, {"role": "assistant", "content": None,
+                                                                  "tool_calls": []}])[1]["content"] == ""

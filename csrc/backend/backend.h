@@ -182,6 +182,20 @@ class Backend {
   Optimisations opts_;
 };
 
+// Whether a backend can run here, found without creating it (registry.cpp).
+struct BackendStatus {
+  std::string name;
+  bool compiled = false;  // built into this module
+  bool usable = false;    // compiled, and its device answers
+  std::string reason;     // why it cannot run here: not compiled, no device, driver too old …; empty when usable
+  std::string device;     // what it runs on when usable ("NVIDIA H200", "Apple M2 Max", "x86_64, 16 threads")
+};
+
+// Every backend Lily has, compiled in or not, in the order a default choice tries them: cuda, metal, cpu.
+std::vector<BackendStatus> backend_statuses();
+// One backend's status; InputError for a name Lily does not have.
+BackendStatus probe_backend(const std::string& name);
+// The backend, created; InputError naming the reason when it is unknown, not compiled in or cannot run here.
 std::unique_ptr<Backend> make_backend(const std::string& name);
 std::vector<std::string> compiled_backends();
 

@@ -296,7 +296,13 @@ int32_t* Session::token_buffer() {
   return static_cast<int32_t*>(tok_);
 }
 
-void Session::prefill_device(const int32_t* tokens, int n) {
+void Session::chunk_done(const ChunkHook& hook, int done, int total) {
+  if (!hook || done == total) return;
+  be_.sync();  // the chunk is complete: what the hook reports, and where an interrupt leaves the state
+  hook(done, total);
+}
+
+void Session::prefill_device(const int32_t* tokens, int n, const ChunkHook& hook) {
   Hold hold(*this);
   LILY_CHECK(n >= 1, "prefill needs at least one token");
   check_room(n);
@@ -306,6 +312,7 @@ void Session::prefill_device(const int32_t* tokens, int n) {
   for (int i = 0; i < n; i += chunk_) {
     const int T = std::min(chunk_, n - i);
     forward(tokens + i, T, i + T == n ? Logits::Device : Logits::None, nullptr);
+    chunk_done(hook, i + T, n);
   }
 }
 
@@ -351,7 +358,7 @@ void Session::check_tokens(const int32_t* tokens, int n) const {
                " is outside the vocabulary [0, ", V, ")");
 }
 
-void Session::prefill(const int32_t* tokens, int n, float* logits) {
+void Session::prefill(const int32_t* tokens, int n, float* logits, const ChunkHook& hook) {
   Hold hold(*this);
   LILY_CHECK(n >= 1, "prefill needs at least one token");
   check_room(n);
@@ -362,10 +369,11 @@ void Session::prefill(const int32_t* tokens, int n, float* logits) {
     const int T = std::min(chunk_, n - i);
     const bool last = i + T == n;
     forward(tokens + i, T, last && logits ? Logits::Last : Logits::None, logits);
+    chunk_done(hook, i + T, n);
   }
 }
 
-void Session::forward_all(const int32_t* tokens, int n, float* logits) {
+void Session::forward_all(const int32_t* tokens, int n, float* logits, const ChunkHook& hook) {
   Hold hold(*this);
   LILY_CHECK(n >= 1, "forward_all needs at least one token");
   check_room(n);
@@ -376,6 +384,7 @@ void Session::forward_all(const int32_t* tokens, int n, float* logits) {
   for (int i = 0; i < n; i += chunk_) {
     const int T = std::min(chunk_, n - i);
     forward(tokens + i, T, Logits::All, logits + size_t(i) * V);
+    chunk_done(hook, i + T, n);
   }
 }
 

@@ -53,7 +53,7 @@ void Generator::check_epoch(const char* call) const {
                               "cannot continue: start a new one"));
 }
 
-void Generator::prefill(const int32_t* tokens, int n, const int32_t* history, int n_history) {
+void Generator::prefill(const int32_t* tokens, int n, const int32_t* history, int n_history, const ChunkHook& hook) {
   Session::Hold hold(s_);
   check_epoch("prefill");
   LILY_CHECK(!ready_, "Generator.prefill() was already called: a generator runs one prompt");
@@ -62,13 +62,13 @@ void Generator::prefill(const int32_t* tokens, int n, const int32_t* history, in
   sampler_.add_prompt(tokens, n);
   s_.reserve(int(std::min<int64_t>(int64_t(n) + max_tokens_, INT32_MAX)));  // the prompt and the reply, once
   if (!device_) {
-    s_.prefill(tokens, n, logits_.data());
+    s_.prefill(tokens, n, logits_.data(), hook);
   } else {
     std::vector<uint8_t> seen(n_valid_, 0);
     for (int i = 0; i < n_history; ++i) seen[history[i]] = 1;
     for (int i = 0; i < n; ++i) seen[tokens[i]] = 1;
     be_.to_device(st_.seen, seen.data(), seen.size());
-    s_.prefill_device(tokens, n);
+    s_.prefill_device(tokens, n, hook);
     st_.token = s_.token_buffer();
     if (max_tokens_ > 0) {
       s_.sample_device(params_, n_valid_, st_);
@@ -98,6 +98,7 @@ GenStep Generator::next() {
 
 GenStep Generator::finish(GenStep out, int token) {
   ++generated_;
+  tokens_.push_back(token);
   if (std::find(eos_.begin(), eos_.end(), token) != eos_.end())
     out.finish = Finish::Stop;
   else if (generated_ >= max_tokens_)

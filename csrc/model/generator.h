@@ -35,12 +35,15 @@ class Generator {
   Generator& operator=(const Generator&) = delete;
 
   // Feeds the prompt's new tokens (n ≥ 1) and keeps the logits of the last one. `history` tokens already in the
-  // session count for the repetition penalty.
-  void prefill(const int32_t* tokens, int n, const int32_t* history, int n_history);
+  // session count for the repetition penalty. `hook` runs between prefill chunks (model.h, ChunkHook); if it throws,
+  // the session holds the chunks done and this generator cannot continue.
+  void prefill(const int32_t* tokens, int n, const int32_t* history, int n_history, const ChunkHook& hook = nullptr);
   // One generated token. The previous one is fed to the model first, so the state always holds every token
   // except the last one returned (which is "pending").
   GenStep next();
   int generated() const { return generated_; }
+  // The tokens next() returned, in order.
+  const std::vector<int>& tokens() const { return tokens_; }
   bool on_device() const { return device_; }
 
  private:
@@ -59,6 +62,7 @@ class Generator {
   std::vector<int> eos_;
   int max_tokens_;
   int generated_ = 0;
+  std::vector<int> tokens_;
   int pending_ = -1;
   bool ready_ = false;
   bool done_ = false;

@@ -2,6 +2,7 @@
 #pragma once
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -46,6 +47,12 @@ class Model {
   std::string fingerprint_;
   Weights w_;
 };
+
+// Runs between the chunks of a prefill, after every chunk but the last, once that chunk's work is complete, with
+// (tokens done, tokens in the call): for progress reports and interrupts. It may throw to stop the prefill there;
+// the session then holds exactly the tokens of the chunks done (position() says how many) and the exception leaves
+// the call.
+using ChunkHook = std::function<void(int done, int total)>;
 
 // A session used by two threads at once, or a generation continued on a session that something else changed
 // since its last step. Python: lily.SessionConflictError (a RuntimeError).
@@ -107,15 +114,15 @@ class Session {
   int64_t tokens_processed() const { return processed_; }
 
   // Feeds n tokens in chunks. If logits != null, writes the fp32 logits [vocab] of the last token there.
-  void prefill(const int32_t* tokens, int n, float* logits);
+  void prefill(const int32_t* tokens, int n, float* logits, const ChunkHook& hook = nullptr);
   // Feeds n tokens and writes the fp32 logits of every one of them to logits [n, vocab] (teacher forcing).
-  void forward_all(const int32_t* tokens, int n, float* logits);
+  void forward_all(const int32_t* tokens, int n, float* logits, const ChunkHook& hook = nullptr);
   void reset();
 
   // Device decoding, for backends that select tokens themselves (Backend::can_sample). prefill_device is prefill
   // with the last logits left in device memory; decode_device feeds the token in token_buffer() (written there by
   // the previous selection) and selects the next one, as one replayable unit per `key`.
-  void prefill_device(const int32_t* tokens, int n);
+  void prefill_device(const int32_t* tokens, int n, const ChunkHook& hook = nullptr);
   void sample_device(const SamplingParams& p, int n_valid, const DeviceSampler& st);
   void decode_device(const SamplingParams& p, int n_valid, const DeviceSampler& st, uint64_t key);
   int32_t* token_buffer();
@@ -141,6 +148,8 @@ class Session {
   void mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state);
 
   void changed() { ++epoch_; }
+  // After chunk [.., done) of a prefill of `total` tokens: waits for it and runs the hook, unless it was the last.
+  void chunk_done(const ChunkHook& hook, int done, int total);
 
   const Model& model_;
   Backend& be_;

@@ -3,11 +3,13 @@
 // they came in), so nothing done to the dict or the checkpoint frees memory the core reads.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <climits>
 #include <memory>
+#include <optional>
 
 #include "core/common.h"
 #include "core/mapped_files.h"
@@ -167,6 +169,25 @@ int token_count(const Tokens& tokens, const Session* room_in = nullptr) {
   return n;
 }
 
+using Progress = std::optional<nb::callable>;
+
+unsigned long main_thread_id = 0;  // Python's main thread: the only one that runs signal handlers
+
+// The hook of a prefill called from Python (model.h, ChunkHook). Between chunks, with the GIL held, it runs the
+// pending signal handlers, so that Ctrl-C raises KeyboardInterrupt there rather than after the whole prefill, then
+// the progress callback with (done, total). An exception from either stops the prefill and leaves the call; the
+// session holds the chunks done. The callback is borrowed: the caller's argument outlives the call. Off the main
+// thread and without a callback there is nothing to do between chunks: no hook (no GIL taken, no device sync).
+ChunkHook python_hook(const Progress& progress) {
+  PyObject* callback = progress ? progress->ptr() : nullptr;
+  if (!callback && PyThread_get_thread_ident() != main_thread_id) return nullptr;
+  return [callback](int done, int total) {
+    nb::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) throw nb::python_error();
+    if (callback) nb::handle{callback}(done, total);
+  };
+}
+
 nb::ndarray<nb::numpy, float> new_array(std::vector<size_t> shape) {
   size_t n = 1;
   for (size_t s : shape) n *= s;
@@ -178,6 +199,7 @@ nb::ndarray<nb::numpy, float> new_array(std::vector<size_t> shape) {
 }  // namespace
 
 void init_model(nb::module_& m) {
+  main_thread_id = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -189,7 +211,30 @@ void init_model(nb::module_& m) {
       .attr("__doc__") = "A session used by two threads at once, or a generation continued on a session that "
                          "something else changed since its last step.";
 
-  m.def("backends", &compiled_backends, "Names of the backends compiled into this build.");
+  m.def("backends",
+        [] {
+          std::vector<BackendStatus> statuses;
+          {
+            nb::gil_scoped_release release;  // a probe may start a GPU driver
+            statuses = backend_statuses();
+          }
+          nb::list out;
+          for (const BackendStatus& b : statuses) {
+            nb::dict d;
+            d["name"] = b.name;
+            d["compiled"] = b.compiled;
+            d["usable"] = b.usable;
+            d["reason"] = b.reason;
+            d["device"] = b.device;
+            out.append(d);
+          }
+          return out;
+        },
+        nb::sig("def backends() -> list[dict[str, str | bool]]"),
+        "Every backend Lily has, in the order a default choice tries them (cuda, metal, cpu), as dicts: name, "
+        "compiled (built into this module), usable (and its device answers), reason (why not usable; \"\" if "
+        "usable), device (what it runs on, when usable).");
+  m.def("compiled_backends", &compiled_backends, "Names of the backends compiled into this build.");
   m.def("optimisations",
         [] {
           nb::list out;
@@ -214,8 +259,13 @@ void init_model(nb::module_& m) {
                    "True when the backend reads weights in place from the host arrays (the mapped files), so they "
                    "must not change while the model lives.")
       .def_prop_ro("backend", [](const PyModel& m) { return m.model->backend().name(); })
-      .def_prop_ro("device", [](const PyModel& m) { return m.model->backend().device(); },
-                   "The device the backend runs on (e.g. \"NVIDIA H200\").")
+      .def_prop_ro("device",
+                   [](const PyModel& m) {
+                     const Backend& be = m.model->backend();
+                     const std::string device = be.device();  // the backend's name where it has no device of its own
+                     return device == be.name() ? probe_backend(be.name()).device : device;
+                   },
+                   "The device the backend runs on (e.g. \"NVIDIA H200\", \"x86_64, 16 threads\").")
       .def_prop_ro("disabled",
                    [](const PyModel& m) { return m.model->backend().optimisations().disabled_names(); },
                    "Comma-separated names of the optimisations turned off (\"\" when all are on).")
@@ -263,35 +313,46 @@ void init_model(nb::module_& m) {
                       "The state of one sequence: KV caches, conv and recurrent states, position. Never shared: a "
                       "call while another thread is inside one raises SessionConflictError.")
       .def_prop_ro("position", &Session::position)
+      .def_prop_ro("epoch", &Session::epoch,
+                   "Changes whenever the state does (prefill, decode, reset, restore, a generation's set-up).")
       .def_prop_ro("max_context", &Session::max_context)
       .def_prop_ro("prefill_chunk", &Session::prefill_chunk)
       .def_prop_ro("tokens_processed", &Session::tokens_processed,
                    "Tokens run through the model by this session since it was made (prefill and decode).")
       .def("prefill",
-           [](Session& s, const Tokens& tokens) {
+           [](Session& s, const Tokens& tokens, const Progress& progress) {
              const int n = token_count(tokens);
              auto out = new_array({size_t(s.vocab_size())});
+             const ChunkHook hook = python_hook(progress);
              nb::gil_scoped_release release;
-             s.prefill(tokens.data(), n, out.data());
+             s.prefill(tokens.data(), n, out.data(), hook);
              return out;
            },
-           "tokens"_a, "Feeds tokens (int32 [n], n ≥ 1) in chunks; returns the fp32 logits of the last one.")
+           "tokens"_a, "progress"_a = nb::none(),
+           "Feeds tokens (int32 [n], n ≥ 1) in chunks; returns the fp32 logits of the last one. Between chunks, "
+           "progress(done, n) is called and Ctrl-C is seen: an exception there (KeyboardInterrupt) stops the "
+           "prefill with the session holding the chunks done (position says how many).")
       .def("feed",
-           [](Session& s, const Tokens& tokens) {
+           [](Session& s, const Tokens& tokens, const Progress& progress) {
              const int n = token_count(tokens);
+             const ChunkHook hook = python_hook(progress);
              nb::gil_scoped_release release;
-             s.prefill(tokens.data(), n, nullptr);
+             s.prefill(tokens.data(), n, nullptr, hook);
            },
-           "tokens"_a, "Feeds tokens (int32 [n], n ≥ 1) in chunks and computes no logits (no lm_head, no copy).")
+           "tokens"_a, "progress"_a = nb::none(),
+           "Feeds tokens (int32 [n], n ≥ 1) in chunks and computes no logits (no lm_head, no copy); progress and "
+           "interrupts as prefill().")
       .def("forward_all",
-           [](Session& s, const Tokens& tokens) {
+           [](Session& s, const Tokens& tokens, const Progress& progress) {
              const int n = token_count(tokens, &s);  // [n, vocab] fp32 is allocated here: refuse first
              auto out = new_array({size_t(n), size_t(s.vocab_size())});
+             const ChunkHook hook = python_hook(progress);
              nb::gil_scoped_release release;
-             s.forward_all(tokens.data(), n, out.data());
+             s.forward_all(tokens.data(), n, out.data(), hook);
              return out;
            },
-           "tokens"_a, "Feeds tokens; returns the fp32 logits of every one, [n, vocab].")
+           "tokens"_a, "progress"_a = nb::none(),
+           "Feeds tokens; returns the fp32 logits of every one, [n, vocab]; progress and interrupts as prefill().")
       .def("check_room", &Session::check_room, "n"_a,
            "Raises ValueError unless n more tokens fit within the session's context limit.")
       .def("reset", &Session::reset, nb::call_guard<nb::gil_scoped_release>())
@@ -305,13 +366,15 @@ void init_model(nb::module_& m) {
       .def(nb::init<Session&, const SamplingParams&, std::vector<int>, int, int>(), "session"_a, "params"_a,
            "eos_ids"_a, "max_tokens"_a, "n_valid"_a, nb::keep_alive<1, 2>())
       .def("prefill",
-           [](Generator& g, const Tokens& tokens, const Tokens& history) {
+           [](Generator& g, const Tokens& tokens, const Tokens& history, const Progress& progress) {
              const int n = token_count(tokens), n_history = token_count(history);
+             const ChunkHook hook = python_hook(progress);
              nb::gil_scoped_release release;
-             g.prefill(tokens.data(), n, history.data(), n_history);
+             g.prefill(tokens.data(), n, history.data(), n_history, hook);
            },
-           "tokens"_a, "history"_a,
-           "Feeds the new prompt tokens; `history` (tokens already in the session) counts for penalties.")
+           "tokens"_a, "history"_a, "progress"_a = nb::none(),
+           "Feeds the new prompt tokens; `history` (tokens already in the session) counts for penalties. Progress "
+           "and interrupts as Session.prefill(); after an interrupt the generator cannot continue.")
       .def("next",
            [](Generator& g) {
              GenStep s;
@@ -321,8 +384,10 @@ void init_model(nb::module_& m) {
              }
              return nb::make_tuple(s.token, s.logprob, s.top_ids, s.top_logprobs, int(s.finish));
            },
+           nb::sig("def next(self) -> tuple[int, float, list[int], list[float], int]"),
            "One step: (token, logprob, top_ids, top_logprobs, finish) with finish 0 none, 1 stop (EOS), "
            "2 length. token is -1 when nothing more can be generated.")
       .def_prop_ro("on_device", &Generator::on_device, "True when the decode loop selects tokens on the device.")
-      .def_prop_ro("generated", &Generator::generated);
+      .def_prop_ro("generated", &Generator::generated)
+      .def_prop_ro("tokens", &Generator::tokens, "The tokens next() returned, in order.");
 }

@@ -4,7 +4,7 @@
     model = lily.load("tiny")                       # or a checkpoint directory / Hugging Face id
     print(lily.generate(model, [{"role": "user", "content": "Hi"}], max_tokens=32))
 """
-from lily._core import backends
+from lily.backend import BackendInfo, backend_names, backends, default_backend
 from lily.generate import GenerationResponse, generate, stream_generate
 from lily.model import Model, Session, SessionConflictError, load, optimisations
 from lily.safetensors_io import CheckpointChangedError, CheckpointError
@@ -12,5 +12,5 @@ from lily.sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate", "Model", "Session", "GenerationResponse", "SamplingParams",
-           "CheckpointError", "CheckpointChangedError", "SessionConflictError", "backends", "optimisations",
-           "__version__"]
+           "CheckpointError", "CheckpointChangedError", "SessionConflictError", "backends", "backend_names",
+           "default_backend", "BackendInfo", "optimisations", "__version__"]

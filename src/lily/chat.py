@@ -74,6 +74,28 @@ def _prepare_message(index: int, message) -> dict:
     return message
 
 
+def check_messages(messages) -> None:
+    """Refuses, with a ValueError naming the message, what a template would render as nothing without a word: a
+    message without a string `role`, or without `content` (a string, or a list of content parts). An assistant
+    message with `tool_calls` may leave its content out (None), as in OpenAI's API."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            continue  # render() refuses it, naming its type
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise ValueError(f"messages[{i}].role is {'missing' if role is None else 'not a string'}: every message "
+                             "needs a role (system, user, assistant or tool)")
+        content = m.get("content")
+        if content is None:
+            if role == "assistant" and m.get("tool_calls") is not None:
+                continue
+            raise ValueError(f"messages[{i}] ({role}) has no content: every message needs a 'content' (a string, "
+                             "or a list of content parts; only an assistant message with tool_calls may leave it out)")
+        if not isinstance(content, (str, list, tuple)):
+            raise ValueError(f"messages[{i}].content must be a string or a list of content parts, got "
+                             f"{type(content).__name__}")
+
+
 def render(template: str, messages: list[dict], tools: list[dict] | None = None,
            add_generation_prompt: bool = True, **template_kwargs) -> str:
     """Render `messages` (and optional JSON-schema `tools`) with the jinja chat `template`.

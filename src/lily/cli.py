@@ -1,24 +1,41 @@
-"""The `lily` command: generate, chat and serve (also `python -m lily`)."""
+"""The `lily` command: generate, chat, serve and bench (also `python -m lily`)."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import threading
+import time
 
+from lily.backend import resolve_backend, unusable_gpus
 from lily.generate import stream_generate
 from lily.model import load
 
 SAMPLING_FLAGS = (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
                   ("repetition_penalty", float), ("presence_penalty", float), ("frequency_penalty", float),
                   ("seed", int))
+BACKEND_HELP = ("cuda, metal, cpu or auto (default: $LILY_BACKEND, else auto: the first of cuda, metal, cpu that "
+                "can run here)")
+CHAT_HELP = """Commands:
+  /help          this list
+  /reset         start a new conversation (the --system prompt stays)
+  /exit, /quit   leave (so do `exit`, `quit`, Ctrl-D, and Ctrl-C twice at an empty prompt)
+Ctrl-C while Lily answers stops the reply: the part shown stays in the conversation. Ctrl-C while Lily reads a
+message drops that message. A message that starts with '/' is sent when written with '//' (one '/' is dropped)."""
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny",
                    help="checkpoint directory, Hugging Face id, or 'tiny' (built-in random model; default)")
-    p.add_argument("--backend", default="cpu", help="cpu (default) or a GPU backend compiled into this build")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--backend", default=None, help=BACKEND_HELP)
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="most tokens to generate per reply (default: max_new_tokens of the model's "
+                        "generation_config.json, else 256); a reply also ends at EOS, a stop string or the "
+                        "context limit")
     p.add_argument("--max-context", type=int, default=None, help="context limit of the session (tokens)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="tokens per prefill step (default: the backend's; smaller bounds memory and makes progress "
+                        "reports and Ctrl-C come sooner)")
     for name, kind in SAMPLING_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
                        help="default: the model's generation_config.json")
@@ -29,66 +46,247 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _sampling(args) -> dict:
     kw = {name: getattr(args, name) for name, _ in SAMPLING_FLAGS if getattr(args, name) is not None}
-    kw["max_tokens"] = args.max_tokens
+    if args.max_tokens is not None:
+        kw["max_tokens"] = args.max_tokens
     if args.stop:
         kw["stop"] = args.stop
     return kw
 
 
-def _run(model, session, prompt, args, stats: bool) -> str:
+def _auto(requested: str | None) -> bool:
+    return (requested or os.environ.get("LILY_BACKEND", "").strip() or "auto") == "auto"
+
+
+def _announce(name: str, backend: str, device: str, requested: str | None) -> None:
+    """One line on stderr at start: which backend runs the model, and why a GPU backend was passed over."""
+    line = f"lily: {name} on {backend} ({device})"
+    if _auto(requested) and backend == "cpu":
+        line += "".join(f"; {b.name} is compiled in but cannot run here: {b.reason}" for b in unusable_gpus())
+    print(line, file=sys.stderr, flush=True)
+
+
+def _load(args):
+    model = load(args.model, backend=args.backend)
+    _announce(args.model, model.backend, model.device, args.backend)
+    return model
+
+
+class PrefillProgress:
+    """Shows a long prefill on stderr (the `progress` callback of stream_generate): nothing for its first DELAY
+    seconds, then tokens done / total, tok/s and the time left; a bar redrawn in place where stderr is a terminal,
+    else a line every INTERVAL seconds. Cleared (terminal) or closed with a last line once the prefill is done."""
+
+    DELAY, INTERVAL, WIDTH = 2.0, 10.0, 24
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self.shown = self.last = 0.0
+        self.total = 0
+        self.lock = threading.Lock()
+        self.timer: threading.Timer | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if done == 0:  # the start: show something after DELAY even if the first chunk is slower than that
+            self.t0, self.total = time.perf_counter(), total
+            self.timer = threading.Timer(self.DELAY, self._show, (0, total))
+            self.timer.daemon = True
+            self.timer.start()
+            return
+        self._cancel()
+        if done >= total:
+            self.close(done)
+        elif time.perf_counter() - self.t0 >= self.DELAY:
+            self._show(done, total)
+
+    def _show(self, done: int, total: int) -> None:
+        with self.lock:
+            now = time.perf_counter()
+            if not self.tty and self.shown and now - self.last < self.INTERVAL:
+                return
+            elapsed = max(now - self.t0, 1e-9)
+            rate = done / elapsed
+            text = f"prefill {done:,}/{total:,} tokens, {rate:,.0f} tok/s"
+            if done:
+                text += f", {_duration((total - done) / max(rate, 1e-9))} left"
+            if self.tty:
+                filled = self.WIDTH * done // max(total, 1)
+                self.stream.write(f"\r[{'#' * filled}{'.' * (self.WIDTH - filled)}] {text} (Ctrl-C stops)\x1b[K")
+            else:
+                self.stream.write(text + "\n")
+            self.stream.flush()
+            self.shown, self.last = self.shown or now, now
+
+    def close(self, done: int | None = None) -> None:
+        """Ends the display: the prefill finished (done == total) or was interrupted (done None)."""
+        self._cancel()
+        with self.lock:
+            if not self.shown:
+                return
+            if self.tty:
+                self.stream.write("\r\x1b[K")
+            elif done is not None:
+                elapsed = max(time.perf_counter() - self.t0, 1e-9)
+                self.stream.write(f"prefill {done:,}/{self.total:,} tokens, {done / elapsed:,.0f} tok/s, done\n")
+            self.stream.flush()
+            self.shown = 0.0
+
+    def _cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds + 0.5)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def _run(model, session, prompt, args, stats: bool) -> tuple[str, str | None]:
+    """Streams one reply to stdout. Returns (the text shown, None), or on Ctrl-C (the text shown, "prefill" or
+    "reply": where it stopped). The stream is closed either way, so the session records what it holds."""
     last, out = None, []
-    for r in stream_generate(model, prompt, session=session, enable_thinking=False if args.no_thinking else None,
-                             **_sampling(args)):
-        print(r.text, end="", flush=True)
-        out.append(r.text)
-        last = r
+    progress = PrefillProgress()
+    stream = stream_generate(model, prompt, session=session, progress=progress,
+                             enable_thinking=False if args.no_thinking else None, **_sampling(args))
+    try:
+        for r in stream:
+            out.append(r.text)
+            print(r.text, end="", flush=True)
+            last = r
+    except KeyboardInterrupt:
+        progress.close()
+        stream.close()
+        print(flush=True)
+        return "".join(out), "prefill" if last is None else "reply"
+    finally:
+        progress.close()
     print()
     if stats and last is not None:
-        print(f"[prompt {last.prompt_tokens} tokens ({last.cached_tokens} cached) {last.prompt_tps:.1f} tok/s | "
-              f"generated {last.generation_tokens} tokens {last.generation_tps:.1f} tok/s | "
-              f"finish {last.finish_reason} | peak {last.peak_memory:.3f} GB]", file=sys.stderr)
-    return "".join(out)
+        print(f"[{model.backend} | prompt {last.prompt_tokens} tokens ({last.cached_tokens} cached) "
+              f"{last.prompt_tps:.1f} tok/s | generated {last.generation_tokens} tokens {last.generation_tps:.1f} "
+              f"tok/s | finish {last.finish_reason} | peak {last.peak_memory:.3f} GB]", file=sys.stderr)
+    return "".join(out), None
+
+
+def _session(model, args):
+    return model.session(args.max_context, args.prefill_chunk)
+
+
+def _no_template(model) -> str:
+    where = model.path if model.path is not None else "the model"
+    return (f"{where}: the checkpoint has no chat template (no chat_template.jinja, no chat_template in "
+            "tokenizer_config.json)")
 
 
 def cmd_generate(args) -> int:
-    model = load(args.model, backend=args.backend)
+    model = _load(args)
     if args.raw:
         prompt = args.prompt
+    elif model.tokenizer.chat_template is None:
+        raise ValueError(f"{_no_template(model)}: use --raw to feed the prompt as is")
     else:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
                  [{"role": "user", "content": args.prompt}]
-    _run(model, model.session(args.max_context), prompt, args, stats=True)
-    return 0
+    session = _session(model, args)
+    _, interrupted = _run(model, session, prompt, args, stats=True)
+    if interrupted == "prefill":
+        print(f"lily: interrupted while reading the prompt ({session.core.position:,} tokens read)", file=sys.stderr)
+    elif interrupted:
+        print("lily: interrupted", file=sys.stderr)
+    return 130 if interrupted else 0
+
+
+def _read_line(prompt: str) -> str | None:
+    """A line of input; None at EOF (Ctrl-D). KeyboardInterrupt passes through."""
+    try:
+        return input(prompt)
+    except EOFError:
+        print()
+        return None
+
+
+def _typed_before_interrupt() -> bool:
+    """True when the line being edited held text at Ctrl-C (readline only; without it, Ctrl-C counts as empty)."""
+    readline = sys.modules.get("readline")
+    try:
+        return bool(readline and readline.get_line_buffer().strip())
+    except Exception:  # a readline replacement without get_line_buffer
+        return False
 
 
 def cmd_chat(args) -> int:
-    model = load(args.model, backend=args.backend)
-    session = model.session(args.max_context)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print(f"{model}\nType a message; /reset clears the conversation, /quit (or Ctrl-D) leaves.", file=sys.stderr)
+    model = _load(args)
+    if model.tokenizer.chat_template is None:
+        raise ValueError(f"{_no_template(model)}: lily chat needs one; `lily generate --raw` runs a prompt as is")
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  line editing and history for input()
+    session = _session(model, args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    print("Type a message; /help lists the commands, /exit (or Ctrl-D) leaves.", file=sys.stderr)
+    armed = False  # Ctrl-C was pressed at an empty prompt: a second one leaves
     while True:
         try:
-            line = input(">> ")
-        except EOFError:
-            print()
+            line = _read_line(">> ")
+        except KeyboardInterrupt:
+            print(flush=True)
+            if _typed_before_interrupt():
+                armed = False
+                continue
+            if armed:
+                return 0
+            armed = True
+            print("(to leave, press Ctrl-C again, or Ctrl-D, or type /exit)", file=sys.stderr)
+            continue
+        armed = False
+        if line is None:
             return 0
-        if line.strip() == "/quit":
+        text = line.strip()
+        if text in ("/exit", "/quit", "exit", "quit"):
             return 0
-        if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
+        if text == "/help":
+            print(CHAT_HELP, file=sys.stderr)
+            continue
+        if text == "/reset":
+            messages = list(system)
             session.reset()
+            print("[conversation cleared" + (", system prompt kept]" if system else "]"), file=sys.stderr)
             continue
-        if not line.strip():
+        if text.startswith("//"):
+            line = line.lstrip()[1:]
+        elif text.startswith("/"):
+            print(f"unknown command {text.split()[0]!r}: /help lists the commands (to send a message that starts "
+                  "with '/', begin it with '//')", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line})
-        reply = _run(model, session, messages, args, stats=args.stats)
-        messages.append({"role": "assistant", "content": reply})
+        if not text:
+            continue
+        turn = messages + [{"role": "user", "content": line}]
+        reply, interrupted = _run(model, session, turn, args, stats=args.stats)
+        if interrupted == "prefill":
+            print("[interrupted: that message is dropped; the next reply reads the conversation again]",
+                  file=sys.stderr)
+            continue
+        kept = session.messages
+        if interrupted and kept is not None and kept[:-1] == turn:  # the reply so far, as the session holds it
+            rest = kept[-1]["content"][len(reply):] if kept[-1]["content"].startswith(reply) else ""
+            if rest:
+                print(rest, flush=True)
+            reply = kept[-1]["content"]
+        if interrupted:
+            print("[interrupted: the reply so far stays in the conversation]", file=sys.stderr)
+        messages = turn + [{"role": "assistant", "content": reply}]
 
 
 def cmd_serve(args) -> int:
     from lily.server import serve
 
-    model = load(args.model, backend=args.backend)
+    model = _load(args)
     gib = 1 << 30
     try:
         serve(model, model_id=args.served_model_name or args.model, host=args.host, port=args.port,
@@ -107,13 +305,14 @@ def cmd_bench(args) -> int:
 
     from lily import bench
 
+    backend = resolve_backend(args.backend)
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else \
         (bench.ABLATION_LENGTHS if args.ablate else bench.LENGTHS)
-    out = Path(args.out or f"lily-bench-{args.backend}{'-ablation' if args.ablate else ''}.json")
+    out = Path(args.out or f"lily-bench-{backend}{'-ablation' if args.ablate else ''}.json")
     if args.ablate:
-        bench.ablate(args.model, args.backend, lengths, args.decode_tokens, out)
+        bench.ablate(args.model, backend, lengths, args.decode_tokens, out)
     else:
-        bench.run(args.model, args.backend, lengths, args.decode_tokens, args.budget, out, greedy_too=args.greedy)
+        bench.run(args.model, backend, lengths, args.decode_tokens, args.budget, out, greedy_too=args.greedy)
     return 0
 
 
@@ -125,13 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", help="interactive multi-turn chat that keeps its state between turns")
+    c = sub.add_parser("chat", help="interactive multi-turn chat that keeps its state between turns",
+                       epilog=CHAT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(c)
     c.add_argument("--stats", action="store_true", help="print speeds after each reply")
     c.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, models, metrics)")
     s.add_argument("--model", required=True, help="checkpoint directory, Hugging Face id, or 'tiny'")
-    s.add_argument("--backend", default="cpu", help="cpu (default) or a GPU backend compiled into this build")
+    s.add_argument("--backend", default=None, help=BACKEND_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="port (0: any free one; default 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LILY_API_KEY)")
@@ -147,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                        "prefill tok/s (prompt over time to first token) and steady decode tok/s.")
     b.add_argument("--model", default="tiny", help="checkpoint directory, Hugging Face id, 'tiny' (default), or "
                    "'random' (the full Qwen3.6-35B-A3B geometry with random 4-bit weights)")
-    b.add_argument("--backend", default="cpu", help="cpu (default) or a GPU backend compiled into this build")
+    b.add_argument("--backend", default=None, help=BACKEND_HELP)
     b.add_argument("--lengths", default=None, help="comma-separated prompt lengths (default 256 … 131072)")
     b.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per length (default 64)")
     b.add_argument("--budget", type=float, default=600.0, help="start no new length after this many seconds")
@@ -162,4 +362,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lily: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("\nlily: interrupted", file=sys.stderr)
         return 130

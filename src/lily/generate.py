@@ -2,14 +2,14 @@
 stop conditions and statistics of mlx-lm's API."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
-
+from typing import Callable, Iterator
 
 from lily import _core
-from lily.model import Model, Session, as_tokens
+from lily.model import Model, Session, SessionConflictError, as_tokens
 from lily.sampling import SamplingParams
 
 FINISH = {0: None, 1: "stop", 2: "length"}
@@ -71,12 +71,22 @@ def _sync_tokens(session: Session, prompt_ids: list[int], generated: list[int]) 
 
 def stream_generate(model: Model, prompt, *, session: Session | None = None, sampling: SamplingParams | None = None,
                     tools: list[dict] | None = None, enable_thinking: bool | None = None,
-                    chat_template_kwargs: dict | None = None, **sampling_kwargs) -> Iterator[GenerationResponse]:
+                    chat_template_kwargs: dict | None = None, progress: Callable[[int, int], object] | None = None,
+                    **sampling_kwargs) -> Iterator[GenerationResponse]:
     """Generates from `prompt` (text, token ids, or chat messages), yielding a response per token.
 
     Sampling keywords (temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
-    frequency_penalty, seed, max_tokens, stop, top_logprobs) default to the model's generation_config.json.
-    With a `session`, a prompt extending what the session already holds prefills only its new tokens."""
+    frequency_penalty, seed, max_tokens, stop, top_logprobs) default to the model's generation_config.json;
+    max_tokens to its max_new_tokens, else 256.
+    With a `session`, a prompt extending what the session already holds prefills only its new tokens.
+
+    progress(done, total), if given, reports the prefill of the prompt's new tokens: (0, total) at its start,
+    after each chunk of a long prompt, and (total, total) once the first token is out.
+
+    Interrupts: Ctrl-C (KeyboardInterrupt) stops the prefill within one chunk, and the session keeps the prompt
+    tokens read so far (a later prompt that extends them reuses them). Interrupted while generating, or closed
+    early, a chat generation keeps the reply so far: `session.messages` ends with it, and a next call whose
+    messages carry that reply continues the state without reading the conversation again."""
     params = _sampling(model, sampling, sampling_kwargs)
     template_kwargs = dict(chat_template_kwargs or {})
     if enable_thinking is not None:
@@ -101,9 +111,13 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
 
         gen = _core.Generator(session.core, params.to_core(), model.eos_token_ids, params.max_tokens, model.n_valid)
         t0 = time.perf_counter()
-        gen.prefill(tokens[cached:], tokens[:cached])
-        session.tokens = list(prompt_ids)
         session.messages, session.pending, session.ended_on_eos = None, None, False
+        if progress is not None:
+            progress(0, len(new))
+        try:
+            gen.prefill(tokens[cached:], tokens[:cached], progress=progress)
+        finally:  # all of the prompt, or (interrupted) the chunks done: session.tokens is what the state holds
+            session.tokens = prompt_ids[:session.core.position]
     prompt_tps = 0.0  # set at the first token: the device loop returns from prefill before the prefill is done
 
     detok = model.tokenizer.detokenizer()
@@ -134,25 +148,51 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         elif reason is not None:
             text += stop.push(detok.flush())[0] + stop.flush()
         reply.append(text)
-        if reason is not None and messages is not None:  # remember the conversation for the next turn
-            session.messages = messages + [{"role": "assistant", "content": "".join(reply)}]
-            session.pending = None if len(session.tokens) == len(prompt_ids) + n else token
-            session.ended_on_eos = token in model.eos_token_ids
+        if reason is not None:
+            remember(generated)
         return GenerationResponse(text, token, float(logprob), list(zip(top_ids, top_lps)), generation_tokens=n,
                                   generation_tps=n / max(time.perf_counter() - t1, 1e-9), finish_reason=reason,
                                   **stats), reason is not None
 
+    def remember(returned: list[int]) -> None:
+        """Records the conversation the state now holds, the reply so far last, for the next turn."""
+        if messages is None:
+            return
+        session.messages = messages + [{"role": "assistant", "content": "".join(reply)}]
+        fed = len(session.tokens) - len(prompt_ids)
+        session.pending = returned[-1] if fed < len(returned) else None
+        session.ended_on_eos = bool(returned) and returned[-1] in model.eos_token_ids
+
+    epoch = session.core.epoch  # the state as this generation's last step left it
+    first, last, recorded = True, False, False
     while True:
-        with session.exclusive():
-            response, last = step()
-        yield response
+        try:
+            with session.exclusive():
+                try:
+                    response, last = step()
+                except KeyboardInterrupt:  # maybe between gen.next() and the bookkeeping: the core knows
+                    session.tokens = prompt_ids + gen.tokens[:session.core.position - len(prompt_ids)]
+                    remember(gen.tokens)
+                    recorded = True
+                    raise
+                epoch = session.core.epoch
+            if first and progress is not None:  # the prefill is complete once the first step is
+                progress(len(new), len(new))
+            first = False
+            yield response
+        except (GeneratorExit, KeyboardInterrupt):  # closed early (the consumer stopped, e.g. at Ctrl-C), or
+            # interrupted between steps: keep the reply so far, unless something else used the session since
+            if not (recorded or last) and session.core.epoch == epoch:
+                with contextlib.suppress(SessionConflictError), session.exclusive():
+                    remember(generated)
+            raise
         if last:
             return
 
 
 def generate(model: Model, prompt, *, verbose: bool = False, **kwargs) -> str:
     """The whole generated text (see stream_generate for the arguments). verbose prints it as it comes,
-    then the speeds."""
+    then the backend and the speeds."""
     text, last = [], None
     for r in stream_generate(model, prompt, **kwargs):
         text.append(r.text)
@@ -161,7 +201,8 @@ def generate(model: Model, prompt, *, verbose: bool = False, **kwargs) -> str:
         last = r
     if verbose and last is not None:
         print(file=sys.stderr)
-        print(f"Prompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tok/s\n"
+        print(f"Backend: {model.backend} ({model.device})\n"
+              f"Prompt: {last.prompt_tokens} tokens ({last.cached_tokens} cached), {last.prompt_tps:.1f} tok/s\n"
               f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s\n"
               f"Peak memory: {last.peak_memory:.3f} GB", file=sys.stderr)
     return "".join(text)

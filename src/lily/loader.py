@@ -13,6 +13,7 @@ problem is a CheckpointError naming the file and the field or tensor.
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -377,6 +378,9 @@ def _generation_config(path: Path) -> dict:
             raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of token ids, "
                                   f"got {_show(gen['eos_token_id'])}")
         gen["eos_token_id"] = eos
+    new_tokens = gen.get("max_new_tokens")
+    if new_tokens is not None and (type(new_tokens) is not int or not 1 <= new_tokens <= INT32_MAX):
+        raise CheckpointError(f"{path}: max_new_tokens must be an integer in [1, {INT32_MAX}], got {_show(new_tokens)}")
     for key, kinds in _GENERATION_FIELDS.items():
         value = gen.get(key)
         if value is not None and (type(value) not in kinds):
@@ -397,8 +401,46 @@ def resolve_model_path(path_or_id: str | Path, revision: str | None = None) -> P
     text = str(path_or_id)
     if path.exists() or not re.fullmatch(r"[A-Za-z0-9_][\w.-]*/[\w.-]+", text):
         raise FileNotFoundError(f"{text}: not a model directory, and not a Hugging Face repo id (org/name)")
-    from huggingface_hub import snapshot_download
-    return Path(snapshot_download(text, revision=revision, allow_patterns=_HUB_PATTERNS))
+    return _download(text, revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    """The hub repo's files in the Hugging Face cache (huggingface_hub's progress bars show a download). Every
+    failure is one FileNotFoundError line naming the id, the cache searched and how to use a local directory."""
+    from huggingface_hub import constants, errors, snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_PATTERNS))
+    except errors.GatedRepoError:
+        why = (f"access to it is gated: accept its terms at https://huggingface.co/{repo_id} and log in "
+               "(`hf auth login`)")
+    except errors.RepositoryNotFoundError:
+        why = "there is no such model on the Hugging Face hub (or it is private: log in with `hf auth login`)"
+    except errors.RevisionNotFoundError:
+        why = f"the hub has no revision {revision!r} of it"
+    except errors.LocalEntryNotFoundError as e:  # not in the cache, and the hub could not be asked
+        offline = getattr(constants, "HF_HUB_OFFLINE", False) or \
+            os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+        why = (f"it is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), and "
+               + ("HF_HUB_OFFLINE is set, so it was not downloaded" if offline
+                  else f"the hub could not be reached ({_root_cause(e)})"))
+    except errors.HfHubHTTPError as e:
+        why = f"the Hugging Face hub refused the download ({_root_cause(e)})"
+    raise FileNotFoundError(f"{repo_id}: {why}; to run a model from a local directory, pass its path instead "
+                            "(lily.load('/path/to/model'), lily … --model /path/to/model)") from None
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost cause of an exception, on one line (e.g. "ConnectError: [Errno 111] Connection refused")."""
+    seen = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.startswith("Got: "):  # huggingface_hub's wrapper of the network error
+        return text[len("Got: "):]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def load_checkpoint(path_or_id: str | Path, revision: str | None = None) -> Checkpoint:

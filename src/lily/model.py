@@ -5,15 +5,16 @@ import contextlib
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from lily import _core
 from lily._core import SessionConflictError
+from lily.backend import resolve_backend
 from lily.loader import Checkpoint, load_checkpoint
 from lily.safetensors_io import CheckpointChangedError
 from lily.tokenizer import Tokenizer
-
 
 
 def as_tokens(ids, what: str = "token ids") -> np.ndarray:
@@ -56,7 +57,7 @@ class Model:
     the CPU it reads the mapped safetensors files in place: they must not be overwritten while the model lives
     (`check_files`, called before every generation, refuses with CheckpointChangedError if one was)."""
 
-    def __init__(self, ckpt: Checkpoint, backend: str = "cpu", disable=None):
+    def __init__(self, ckpt: Checkpoint, backend: str | None = None, disable=None):
         self.path: Path | None = ckpt.model_dir
         self.config: dict = ckpt.config
         self.generation_config: dict = ckpt.generation_config
@@ -69,9 +70,10 @@ class Model:
             raise ValueError(f"config.json: rope_parameters.rope_type {rope_type!r} is not supported yet "
                              "(Lily implements the default partial RoPE; YaRN is opt-in and not needed below 262144 tokens)")
         core_config = {k: v for k, v in ckpt.config.items() if isinstance(v, (int, float, bool))}
-        self.core = _core.Model(core_config, ckpt.tensors, ckpt.files, backend,
+        self.core: _core.Model = _core.Model(core_config, ckpt.tensors, ckpt.files, resolve_backend(backend),
                                 {str(f.path): f.view for f in ckpt.mapped}, disabled_optimisations(disable))
         self.backend: str = self.core.backend
+        self.device: str = self.core.device  # what the backend runs on ("NVIDIA H200"; the backend's name if none)
         # The files the backend reads in place for as long as the model lives (none where it copied the weights).
         self.mapped_files = list(ckpt.mapped) if self.core.reads_host_weights else []
         self.vocab_size: int = ckpt.config["vocab_size"]
@@ -134,7 +136,8 @@ class Model:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"lily.Model({self.path or 'in-memory'}, backend={self.backend}, layers={c['num_hidden_layers']}, "
+        return (f"lily.Model({self.path or 'in-memory'}, backend={self.backend} ({self.device}), "
+                f"layers={c['num_hidden_layers']}, "
                 f"hidden={c['hidden_size']}, experts={c['num_experts']}, vocab={c['vocab_size']})")
 
 
@@ -154,7 +157,7 @@ class Session:
 
     def __init__(self, model: Model, max_context: int | None, prefill_chunk: int | None):
         self.model = model
-        self.core = model.core.session(max_context=max_context or 0, prefill_chunk=prefill_chunk or 0)
+        self.core: _core.Session = model.core.session(max_context=max_context or 0, prefill_chunk=prefill_chunk or 0)
         self.tokens: list[int] = []  # tokens whose effect is in the state
         self.messages: list[dict] | None = None  # the conversation the state holds, reply last
         self.pending: int | None = None  # the reply's last token, sampled but not yet in the state
@@ -235,24 +238,37 @@ class Session:
             self.tokens = tokens.tolist()
             self.messages, self.pending, self.ended_on_eos = None, None, False
 
-    def prefill(self, token_ids) -> np.ndarray:
-        """Feeds tokens; returns the fp32 logits of the last one."""
-        tokens = as_tokens(token_ids)
-        self.model.check_files()
-        with self.exclusive():
-            out = self.core.prefill(tokens)
-            self.tokens.extend(tokens.tolist())
-            self.messages, self.pending = None, None
-            return out
+    def prefill(self, token_ids, progress: Callable[[int, int], object] | None = None) -> np.ndarray:
+        """Feeds tokens; returns the fp32 logits of the last one.
 
-    def feed(self, token_ids) -> None:
-        """Feeds tokens and computes no logits (no lm_head, nothing copied back): for prompt prefixes."""
+        Long inputs run in chunks (prefill_chunk tokens each). `progress(done, total)`, if given, is called with
+        (0, total), after every chunk, and with (total, total) at the end. Between chunks Ctrl-C is seen:
+        KeyboardInterrupt (or any exception from `progress`) stops the prefill within one chunk, and the session keeps
+        the chunks done: `tokens` lists exactly the tokens its state holds."""
+        return self._feed(token_ids, progress, self.core.prefill)
+
+    def feed(self, token_ids, progress: Callable[[int, int], object] | None = None) -> None:
+        """Feeds tokens and computes no logits (no lm_head, nothing copied back): for prompt prefixes. Progress and
+        interrupts as prefill()."""
+        self._feed(token_ids, progress, self.core.feed)
+
+    def _feed(self, token_ids, progress, call):
         tokens = as_tokens(token_ids)
         self.model.check_files()
         with self.exclusive():
-            self.core.feed(tokens)
-            self.tokens.extend(tokens.tolist())
-            self.messages, self.pending = None, None
+            before = self.core.position
+            try:
+                if progress is not None:
+                    progress(0, len(tokens))
+                out = call(tokens, progress=progress)
+                if progress is not None:
+                    progress(len(tokens), len(tokens))
+                return out
+            finally:
+                fed = self.core.position - before  # all of them, or the chunks done before an interrupt
+                if fed:
+                    self.tokens.extend(tokens[:fed].tolist())
+                    self.messages, self.pending = None, None
 
     def generate(self, prompt, **kwargs) -> str:
         from lily.generate import generate
@@ -284,10 +300,13 @@ def disabled_optimisations(disable=None) -> list[str]:
     return out
 
 
-def load(path_or_id: str | Path, backend: str = "cpu", revision: str | None = None, disable=None) -> Model:
+def load(path_or_id: str | Path, backend: str | None = None, revision: str | None = None, disable=None) -> Model:
     """Loads a qwen3_5_moe MLX checkpoint from a directory or a Hugging Face hub id (downloaded and cached).
-    `"tiny"` is Lily's built-in random model in the real architecture (no files, works offline). `disable`
-    turns optimisations off by name (see lily.optimisations())."""
+    `"tiny"` is Lily's built-in random model in the real architecture (no files, works offline).
+
+    backend: "cuda", "metal", "cpu" or "auto"; None (the default) is LILY_BACKEND when set, else "auto": the
+    first of cuda, metal, cpu that can run here (lily.backends() says which can and why not). A named backend that
+    cannot run here is a ValueError saying why. `disable` turns optimisations off by name (lily.optimisations())."""
     if str(path_or_id) == "tiny":
         from lily.tiny import build_tiny
 

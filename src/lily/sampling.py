@@ -53,11 +53,15 @@ class SamplingParams:
     @classmethod
     def from_generation_config(cls, gen: dict, **overrides) -> SamplingParams:
         """Defaults from a generation_config.json dict, then overrides. `do_sample: false` means greedy; absent keys
-        keep Lily's defaults (vLLM's reading, not transformers', whose absent do_sample means greedy)."""
+        keep Lily's defaults (vLLM's reading, not transformers', whose absent do_sample means greedy).
+        `max_new_tokens` is the default of max_tokens (else 256, as mlx-lm); `max_length`, which counts the prompt
+        too, is not used."""
         keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
         kw = {k: gen[k] for k in keys if gen.get(k) is not None}
         if gen.get("do_sample") is False:
             kw["temperature"] = 0.0
+        if gen.get("max_new_tokens") is not None:
+            kw["max_tokens"] = gen["max_new_tokens"]
         return cls(**{**kw, **overrides})
 
     def to_core(self):

@@ -288,6 +288,9 @@ def normalize_messages(messages) -> list[dict]:
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise RequestError(f"'{where}.role' must be system, developer, user, assistant or tool, got {role!r}",
                                param=where + ".role")
+        if m.get("content") is None and not (role == "assistant" and m.get("tool_calls") is not None):
+            raise RequestError(f"'{where}.content' is missing: only an assistant message with tool_calls may leave it "
+                               "out", param=where + ".content")  # as OpenAI's API, and lily.chat.check_messages
         content = _text_content(m.get("content"), where + ".content")
         if role in ("system", "developer"):
             system.append(content)

@@ -163,10 +163,13 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render a conversation to prompt text, as transformers' `apply_chat_template(tokenize=False)`."""
+        """Render a conversation to prompt text, as transformers' `apply_chat_template(tokenize=False)`. Lily is
+        stricter in one way: a message without content is a ValueError (chat.check_messages), not an empty turn."""
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template (no chat_template.jinja, "
-                             "no chat_template in tokenizer_config.json)")
+            raise ValueError("this tokenizer has no chat template (no chat_template.jinja, no chat_template in "
+                             "tokenizer_config.json), so chat messages cannot be rendered: give the prompt as text or "
+                             "token ids instead (on the command line: lily generate --raw)")
+        chat.check_messages(messages)
         return chat.render(self.chat_template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                            **{**self._template_tokens, **kwargs})
 

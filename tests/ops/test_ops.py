@@ -10,27 +10,19 @@ from lily import _core
 
 from .cases import CASES, check, make
 
-GPU_BACKENDS = [b for b in lily.backends() if b != "cpu"]
+GPU_BACKENDS = [b for b in lily.backend_names() if b != "cpu"]
 # LILY_OP_TAGS=edge runs only the cases with that tag (the small ones, e.g. under compute-sanitizer).
 SELECTED = [c for c in CASES if os.environ.get("LILY_OP_TAGS", "") in ("", *c.tags)]
 # Every case runs with every optimisation on (the default) and with all of them off (the plain path).
 ALL_OFF = ",".join(name for name, _, _ in _core.optimisations())
 
 
-def _usable(backend: str) -> bool:
-    try:
-        _core.testing.run_op(backend, "rms_norm", {"T": 1, "H": 64, "eps": 1e-6},
-                             {"x": np.ones((1, 64), np.float32), "w": np.ones(64, np.float32)})
-        return True
-    except ValueError:
-        return False
-
-
 @pytest.fixture(scope="module", params=GPU_BACKENDS or [pytest.param(None, marks=pytest.mark.skip(
     reason="no GPU backend compiled into this build"))])
 def backend(request):
-    if not _usable(request.param):
-        pytest.skip(f"{request.param} backend compiled in but no device available")
+    info = next(b for b in lily.backends() if b.name == request.param)
+    if not info.usable:
+        pytest.skip(f"{request.param} backend compiled in but it cannot run here: {info.reason}")
     return request.param
 
 

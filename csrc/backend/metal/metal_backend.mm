@@ -50,6 +50,7 @@
 namespace lily {
 
 std::unique_ptr<Backend> make_metal_backend();
+std::string metal_probe(bool* usable);  // registry.cpp
 
 namespace metal {
 
@@ -493,6 +494,18 @@ class AppleDevice final : public Device {
 
 std::unique_ptr<Backend> make_metal_backend() {
   return metal::make_backend(std::make_unique<metal::AppleDevice>());
+}
+
+// registry.cpp's probe: the system GPU's name, or why the backend cannot use it (with *usable left false).
+std::string metal_probe(bool* usable) {
+  @autoreleasepool {
+    id<MTLDevice> device = MTLCreateSystemDefaultDevice();
+    if (!device) return "no Metal GPU found (MTLCreateSystemDefaultDevice returned nil)";
+    if (!device.hasUnifiedMemory)
+      return metal::text(device.name) + " has no unified memory; Lily's Metal backend runs on Apple silicon only";
+    *usable = true;
+    return metal::text(device.name);
+  }
 }
 
 }  // namespace lily
