@@ -49,6 +49,32 @@ def test_console_script_generate(tiny_model):
     _check_generate(tiny_model, *_run([shutil.which("lily"), *GENERATE_ARGS]))
 
 
+def test_prompt_and_system_from_a_file_or_stdin(tiny_model, tmp_path):
+    """--prompt-file, --prompt - and --system-file give the same reply as the text on the command line; a prompt past
+    the kernel's 128 KiB cap on one argument gets through a file; a missing or non-UTF-8 file is a one-line error."""
+    system = "You are terse. " * 20
+    inline = _run([sys.executable, "-m", "lily", *GENERATE_ARGS, "--system", system])
+    assert inline[0] == 0, inline[2]
+    (tmp_path / "p.txt").write_text("hi")
+    (tmp_path / "s.txt").write_text(system)
+    args = ["generate", "--model", "tiny", "--max-tokens", "8", "--seed", "0", "--system-file", str(tmp_path / "s.txt")]
+    assert _run([sys.executable, "-m", "lily", *args, "--prompt-file", str(tmp_path / "p.txt")])[1] == inline[1]
+    assert _run([sys.executable, "-m", "lily", *args, "--prompt", "-"], stdin="hi")[1] == inline[1]
+    # 270 KB, past argv's cap: the whole file arrives (one token a character in the tiny tokenizer), which the context
+    # check reports at once instead of a minute of prefill
+    (tmp_path / "big.txt").write_text("x" * 270_000)
+    code, out, err = _run([sys.executable, "-m", "lily", "generate", "--model", "tiny", "--max-tokens", "1", "--raw",
+                           "--prompt-file", str(tmp_path / "big.txt")])
+    assert code == 2 and "prompt of 270000 tokens exceeds the context limit" in err, err
+    code, _, err = _run([sys.executable, "-m", "lily", "generate", "--prompt-file", str(tmp_path / "nope.txt")])
+    assert code == 2 and f"--prompt-file {tmp_path / 'nope.txt'}: No such file or directory" in err, err
+    (tmp_path / "bin.txt").write_bytes(b"ok \xff\xfe")
+    code, _, err = _run([sys.executable, "-m", "lily", "chat", "--system-file", str(tmp_path / "bin.txt")])
+    assert code == 2 and f"--system-file {tmp_path / 'bin.txt'}: not UTF-8 text (invalid start byte at byte 3)" in err
+    code, _, err = _run([sys.executable, "-m", "lily", "generate", "--prompt", "a", "--prompt-file", "b"])
+    assert code == 2 and "not allowed with argument" in err
+
+
 def test_chat_over_stdin_reuses_the_first_turn():
     code, out, err = _run([sys.executable, "-m", "lily", "chat", "--model", "tiny", "--max-tokens", "6", "--seed", "1",
                            "--stats"], stdin="Hello there\nAnd what next?\n")

@@ -50,9 +50,11 @@ def tokens_per_second(tiny_model) -> float:
     return 2 * CHUNK / (time.perf_counter() - t0)
 
 
-def test_ctrl_c_stops_a_long_prefill_within_one_chunk(tiny_model, tokens_per_second):
-    prompt = _text(tiny_model, max(4000, 60 * tokens_per_second))  # a minute of prefill or more
-    child = _spawn("generate", "--model", "tiny", "--prefill-chunk", str(CHUNK), "--prompt", prompt)
+def test_ctrl_c_stops_a_long_prefill_within_one_chunk(tiny_model, tokens_per_second, tmp_path):
+    prompt = _text(tiny_model, max(4000, 60 * tokens_per_second))  # a minute of prefill or more: past argv's 128 KiB
+    (tmp_path / "prompt.txt").write_text(prompt)
+    child = _spawn("generate", "--model", "tiny", "--prefill-chunk", str(CHUNK), "--prompt-file",
+                   str(tmp_path / "prompt.txt"))
     child.expect(r"\] prefill [\d,]+/[\d,]+ tokens, [\d,]+ tok/s, .* left \(Ctrl-C stops\)")  # the bar, after ~2 s
     rate = float(RATE.search(child.after).group(1).replace(",", ""))
     t0 = time.perf_counter()
@@ -69,7 +71,8 @@ def test_prefill_progress_without_a_terminal(tiny_model, tokens_per_second):
     """Where stderr is not a terminal: a line every few seconds, and a last one when the prefill is done."""
     prompt = _text(tiny_model, 5 * tokens_per_second)  # about 5 s of prefill
     p = subprocess.run([sys.executable, "-m", "lily", "generate", "--model", "tiny", "--prefill-chunk", str(CHUNK),
-                        "--max-tokens", "1", "--prompt", prompt], capture_output=True, text=True, env=ENV, timeout=300)
+                        "--max-tokens", "1", "--prompt", "-"], input=prompt, capture_output=True, text=True, env=ENV,
+                       timeout=300)
     assert p.returncode == 0, p.stderr
     lines = p.stderr.splitlines()
     progress = [line for line in lines if line.startswith("prefill ")]
@@ -119,10 +122,10 @@ def test_ctrl_c_in_chat_stops_the_reply_and_keeps_the_conversation(tiny_model):
     assert _finish(child) == 0
 
 
-def test_ctrl_c_while_chat_reads_a_message_drops_it(tiny_model, tokens_per_second):
-    system = _text(tiny_model, max(2000, 60 * tokens_per_second))
+def test_ctrl_c_while_chat_reads_a_message_drops_it(tiny_model, tokens_per_second, tmp_path):
+    (tmp_path / "system.txt").write_text(_text(tiny_model, max(2000, 60 * tokens_per_second)))
     child = _spawn("chat", "--model", "tiny", "--prefill-chunk", str(CHUNK), "--max-tokens", "2", "--stats",
-                   "--system", system)
+                   "--system-file", str(tmp_path / "system.txt"))
     child.expect(">> ")
     child.sendline("hi")
     child.expect(r"prefill [\d,]+/[\d,]+ tokens")

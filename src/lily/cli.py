@@ -41,7 +41,33 @@ def _common(p: argparse.ArgumentParser) -> None:
                        help="default: the model's generation_config.json")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--no-thinking", action="store_true", help="render the chat template with enable_thinking=false")
-    p.add_argument("--system", default=None, help="system prompt")
+    system = p.add_mutually_exclusive_group()
+    system.add_argument("--system", default=None, help="system prompt")
+    system.add_argument("--system-file", default=None, metavar="PATH", help="system prompt read from a UTF-8 file")
+
+
+def _read_text(path: str, flag: str) -> str:
+    """A prompt from a file ('-': standard input), as UTF-8; an error names the flag and the file."""
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+
+
+def _texts(args) -> None:
+    """Resolve --prompt-file, --prompt - and --system-file into args.prompt and args.system (prompts of any size:
+    an argument on the command line is limited to 128 KiB by the kernel)."""
+    if getattr(args, "prompt_file", None) is not None:
+        args.prompt = _read_text(args.prompt_file, "--prompt-file")
+    elif getattr(args, "prompt", None) == "-":
+        args.prompt = _read_text("-", "--prompt")
+    if args.system_file is not None:
+        args.system = _read_text(args.system_file, "--system-file")
 
 
 def _sampling(args) -> dict:
@@ -185,6 +211,7 @@ def _no_template(model) -> str:
 
 
 def cmd_generate(args) -> int:
+    _texts(args)
     model = _load(args)
     if args.raw:
         prompt = args.prompt
@@ -221,6 +248,7 @@ def _typed_before_interrupt() -> bool:
 
 
 def cmd_chat(args) -> int:
+    _texts(args)
     model = _load(args)
     if model.tokenizer.chat_template is None:
         raise ValueError(f"{_no_template(model)}: lily chat needs one; `lily generate --raw` runs a prompt as is")
@@ -321,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a reply to one prompt")
     _common(g)
-    g.add_argument("--prompt", required=True)
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt ('-': read it from standard input)")
+    prompt.add_argument("--prompt-file", default=None, metavar="PATH", help="the prompt, read from a UTF-8 file")
     g.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="interactive multi-turn chat that keeps its state between turns",

@@ -49,7 +49,7 @@ from lily.prefix_cache import MAGIC, SUFFIX, PrefixCache
 from lily.sampling import SamplingParams
 from lily.server import MAX_BODY_BYTES, Engine
 from lily.tiny import TINY_TEXT_CONFIG, build_tiny
-from test_server import MAX_CONTEXT, WEATHER, LiveServer, Script, _http
+from live_server import MAX_CONTEXT, WEATHER, LiveServer, Script, fetch
 
 FUZZ_SECONDS = float(os.environ.get("LILY_FUZZ_SECONDS", "0"))
 REAL_TEMPLATE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "qwen3.6" / "chat_template.jinja"
@@ -304,7 +304,7 @@ def test_the_server_starts_whatever_the_cache_dir_holds(tiny_model, tmp_path):
     (tmp_path / ("junk" + SUFFIX)).write_bytes(os.urandom(100))
     proc, port, stderr = _serve_cli(tmp_path)
     try:
-        status, body = _http(port, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2})
+        status, body = fetch(port, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2})
         assert status == 200, body
     finally:
         proc.terminate()
@@ -482,7 +482,7 @@ def live():
 def _post(port: int, path: str, body) -> tuple[int, dict | str]:
     """(status, JSON or text): `body` a dict (sent as JSON, NaN allowed) or raw bytes."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return _http(port, "POST", path, data)
+    return fetch(port, "POST", path, data)
 
 
 def _assert_error(status: int, body, param) -> None:
@@ -701,7 +701,7 @@ def test_fuzz_requests_never_get_a_500_and_the_server_keeps_serving(live):
             body = _replace(body, path, value)
         if dice == 13:  # now and then, not an object, or an object of anything (hypothesis favours 0 and 19)
             body = junk
-        status, answer = _http(live.port, "POST", route, _encode(body))
+        status, answer = fetch(live.port, "POST", route, _encode(body))
         _check_answer(status, answer)
 
     fuzz(check, REQUESTS, examples=150)
@@ -712,12 +712,12 @@ def test_fuzz_get_routes(live):
     def check(name):
         quoted = urllib.parse.quote(name, safe="", errors="surrogatepass")
         for path in (f"/v1/models/{quoted}", f"/v1/{quoted}", f"/{quoted}"):
-            status, body = _http(live.port, "GET", path)
+            status, body = fetch(live.port, "GET", path)
             assert status in (200, 404, 405), (path, status, body)
 
     fuzz(check, SURROGATE_TEXT | TEXT | st.sampled_from(["models", "health", "metrics", "chat/completions"]),
          examples=100)
-    assert _http(live.port, "GET", "/health") == (200, {"status": "ok"})
+    assert fetch(live.port, "GET", "/health") == (200, {"status": "ok"})
 
 
 # -- sizes: refused before they cost anything -----------------------------------------------------------------
@@ -809,6 +809,6 @@ def test_metrics_count_a_request_before_its_response_ends(live, monkeypatch, str
 
 
 def _request_count(port: int) -> float:
-    status, text = _http(port, "GET", "/metrics")
+    status, text = fetch(port, "GET", "/metrics")
     match = re.search(r'^lily_requests_total\{endpoint="/v1/chat/completions",status="200"\} (\S+)$', text, re.M)
     return float(match.group(1)) if match else 0.0

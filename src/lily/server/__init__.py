@@ -1,0 +1,11 @@
+"""The HTTP server (`lily serve`), in parts that can be read and changed alone: `protocol` (what every API shares in
+reading a request: errors, bounded JSON bodies, fields, sampling settings, event streams), one module per API
+(`openai`: chat completions and completions), `engine` (the worker thread, the session, the prefix cache, the
+metrics) and `app` (the Starlette app: routes, authentication, `serve`)."""
+from lily.server.app import MAX_BODY_BYTES, create_app, listen, serve
+from lily.server.engine import Engine, Job, Prompt
+from lily.server.openai import normalize_messages, parse_chat_request, render_chat
+from lily.server.protocol import RequestError, Sampling
+
+__all__ = ["MAX_BODY_BYTES", "Engine", "Job", "Prompt", "RequestError", "Sampling", "create_app", "listen",
+           "normalize_messages", "parse_chat_request", "render_chat", "serve"]
