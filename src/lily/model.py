@@ -50,6 +50,19 @@ def as_tokens(ids, what: str = "token ids") -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int32)
 
 
+def _size_arg(where: str, name: str, value, limit: int) -> int:
+    """A session size argument as the core's int: None or 0 (the default) is 0; anything but an integer in
+    [1, limit] raises ValueError naming the argument and the limit (not nanobind's signature, nor a negative
+    value silently taken for the default)."""
+    if value is None:
+        return 0
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value <= limit:
+        got = value if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) \
+            else f"{type(value).__name__} {value!r:.40}"
+        raise ValueError(f"{where}: {name} must be None or an integer in [1, {limit}], got {got}")
+    return int(value)
+
+
 class Model:
     """A loaded model: weights on a backend, its tokenizer, chat template and generation defaults.
 
@@ -119,8 +132,9 @@ class Model:
         tokens = as_tokens(token_ids)
         if tokens.size == 0:
             raise ValueError("logits() needs at least one token")
+        chunk = _size_arg("Model.logits", "prefill_chunk", prefill_chunk, 2**31 - 1)
         self.check_files()
-        s = self.core.session(max_context=self.config["max_position_embeddings"], prefill_chunk=prefill_chunk or 0)
+        s = self.core.session(max_context=self.config["max_position_embeddings"], prefill_chunk=chunk)
         return s.forward_all(tokens)
 
     def encode_prompt(self, prompt, *, tools=None, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
@@ -157,7 +171,9 @@ class Session:
 
     def __init__(self, model: Model, max_context: int | None, prefill_chunk: int | None):
         self.model = model
-        self.core: _core.Session = model.core.session(max_context=max_context or 0, prefill_chunk=prefill_chunk or 0)
+        max_context = _size_arg("Model.session", "max_context", max_context, model.config["max_position_embeddings"])
+        prefill_chunk = _size_arg("Model.session", "prefill_chunk", prefill_chunk, 2**31 - 1)
+        self.core: _core.Session = model.core.session(max_context=max_context, prefill_chunk=prefill_chunk)
         self.tokens: list[int] = []  # tokens whose effect is in the state
         self.messages: list[dict] | None = None  # the conversation the state holds, reply last
         self.pending: int | None = None  # the reply's last token, sampled but not yet in the state

@@ -404,6 +404,34 @@ def test_snapshot_bytes_carry_the_fingerprint_and_old_versions_are_refused(tiny_
         _core.Snapshot.from_bytes(version1)
 
 
+# -- session sizes ------------------------------------------------------------------------------------------------
+
+BAD_SIZES = [
+    ("max_context", -1, "max_context must be None or an integer in [1, 262144], got -1"),
+    ("max_context", 2**31, "max_context must be None or an integer in [1, 262144], got 2147483648"),
+    ("max_context", 2**64, "max_context must be None or an integer in [1, 262144], got 18446744073709551616"),
+    ("max_context", 1.5, "max_context must be None or an integer in [1, 262144], got float 1.5"),
+    ("max_context", True, "max_context must be None or an integer in [1, 262144], got bool True"),
+    ("prefill_chunk", -1, "prefill_chunk must be None or an integer in [1, 2147483647], got -1"),
+    ("prefill_chunk", 2**31, "prefill_chunk must be None or an integer in [1, 2147483647], got 2147483648"),
+    ("prefill_chunk", "64", "prefill_chunk must be None or an integer in [1, 2147483647], got str '64'"),
+]
+
+
+@pytest.mark.parametrize("name, value, message", BAD_SIZES, ids=[f"{n}={v!r}" for n, v, _ in BAD_SIZES])
+def test_session_sizes_out_of_range_are_value_errors_naming_the_argument(tiny_model, name, value, message):
+    """A negative max_context was silently the model's full context, and 2**31 or a float was nanobind's
+    'incompatible function arguments' with the core's signature (the CLI's --max-context, the server's too)."""
+    with pytest.raises(ValueError) as info:
+        tiny_model.session(**{name: value})
+    assert str(info.value) == f"Model.session: {message}"
+    if name == "prefill_chunk":
+        with pytest.raises(ValueError, match=f"Model.logits: {name} must be"):
+            tiny_model.logits([1, 2], prefill_chunk=value)
+    for good in (None, 0, 1, 64, np.int64(64)):  # 0 (as None) is the default
+        tiny_model.session(**{name: good})
+
+
 # -- token ids -------------------------------------------------------------------------------------------------
 
 BAD_TOKENS = [
