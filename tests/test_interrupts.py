@@ -188,7 +188,7 @@ def test_interrupt_inside_a_decode_step_keeps_the_session_consistent(new_tiny_mo
     assert len(shown) == 4
     assert session.core.position == len(session.tokens)
     prompt_len = len(session.tokens) - 4  # the host loop holds the 5th token back: it is pending
-    assert session.pending is not None and session.tokens[:prompt_len] == model.encode_prompt(messages)
+    assert session.conversation.pending is not None and session.tokens[:prompt_len] == model.encode_prompt(messages)
     assert session.messages == messages + [{"role": "assistant", "content": "".join(shown)}]
 
 
@@ -223,6 +223,6 @@ def test_interrupt_between_steps_keeps_the_reply(new_tiny_model):
     with pytest.raises(KeyboardInterrupt):
         list(session.stream_generate(_conversation(), max_tokens=40, seed=2, progress=progress))
     assert session.messages[:-1] == _conversation() and session.messages[-1]["role"] == "assistant"
-    assert session.core.position == len(session.tokens) and session.pending is not None  # one token, not yet fed
+    assert session.core.position == len(session.tokens) and session.conversation.pending is not None  # one token, not yet fed
     reference = model.session().stream_generate(_conversation(), max_tokens=40, seed=2)
     assert session.messages[-1]["content"] == next(reference).text

@@ -8,7 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import numpy as np
+
 from lily import _core
+from lily.conversation import Conversation
 from lily.model import Model, Session, SessionConflictError, as_tokens
 from lily.sampling import SamplingParams
 
@@ -111,7 +114,7 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
 
         gen = _core.Generator(session.core, params.to_core(), model.eos_token_ids, params.max_tokens, model.n_valid)
         t0 = time.perf_counter()
-        session.messages, session.pending, session.ended_on_eos = None, None, False
+        session.conversation = None
         if progress is not None:
             progress(0, len(new))
         try:
@@ -158,10 +161,11 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         """Records the conversation the state now holds, the reply so far last, for the next turn."""
         if messages is None:
             return
-        session.messages = messages + [{"role": "assistant", "content": "".join(reply)}]
         fed = len(session.tokens) - len(prompt_ids)
-        session.pending = returned[-1] if fed < len(returned) else None
-        session.ended_on_eos = bool(returned) and returned[-1] in model.eos_token_ids
+        session.conversation = Conversation(
+            tuple(messages + [{"role": "assistant", "content": "".join(reply)}]), tools, template_kwargs,
+            np.asarray(session.tokens, dtype=np.int32), returned[-1] if fed < len(returned) else None,
+            bool(returned) and returned[-1] in model.eos_token_ids)
 
     epoch = session.core.epoch  # the state as this generation's last step left it
     first, last, recorded = True, False, False

@@ -12,6 +12,7 @@ import numpy as np
 from lily import _core
 from lily._core import SessionConflictError
 from lily.backend import resolve_backend
+from lily.conversation import Conversation
 from lily.loader import Checkpoint, load_checkpoint
 from lily.safetensors_io import CheckpointChangedError
 from lily.tokenizer import Tokenizer
@@ -175,9 +176,7 @@ class Session:
         prefill_chunk = _size_arg("Model.session", "prefill_chunk", prefill_chunk, 2**31 - 1)
         self.core: _core.Session = model.core.session(max_context=max_context, prefill_chunk=prefill_chunk)
         self.tokens: list[int] = []  # tokens whose effect is in the state
-        self.messages: list[dict] | None = None  # the conversation the state holds, reply last
-        self.pending: int | None = None  # the reply's last token, sampled but not yet in the state
-        self.ended_on_eos = False
+        self.conversation: Conversation | None = None  # the chat the state holds, right after its reply
         self._lock = threading.RLock()
 
     @contextlib.contextmanager
@@ -193,25 +192,20 @@ class Session:
         finally:
             self._lock.release()
 
+    @property
+    def messages(self) -> list[dict] | None:
+        """The conversation the state holds, its reply last (None when the state holds no chat reply)."""
+        return None if self.conversation is None else list(self.conversation.messages)
+
     def continuation(self, messages: list[dict], tools=None, **template_kwargs) -> list[int] | None:
         """Prompt ids that continue the stored conversation with the new messages, or None if `messages` does
         not extend it (or the template cannot render the new messages on their own)."""
-        old = self.messages
-        if not old or len(messages) <= len(old) or not self.tokens:
+        conv = self.conversation
+        if conv is None or not conv.extended_by(messages, tools, template_kwargs) or \
+                len(conv.tokens) != len(self.tokens):
             return None
-        for new, prev in zip(messages, old):
-            same_reply = prev is old[-1] and new.get("role") == "assistant" and new.get("content") == prev["content"]
-            if new != prev and not same_reply:
-                return None
-        tok = self.model.tokenizer
-        tail = [] if self.pending is None else [self.pending]
-        tail += tok.encode("\n" if self.ended_on_eos else "<|im_end|>\n")
-        try:
-            text = tok.apply_chat_template(messages[len(old):], tools=tools, add_generation_prompt=True,
-                                           **template_kwargs)
-        except ValueError:
-            return None
-        return self.tokens + tail + tok.encode(text)
+        found = conv.continuation(self.model.tokenizer, messages)
+        return None if found is None else found[0]
 
     @property
     def max_context(self) -> int:
@@ -230,7 +224,7 @@ class Session:
         with self.exclusive():
             self.core.reset()
             self.tokens = []
-            self.messages, self.pending, self.ended_on_eos = None, None, False
+            self.conversation = None
 
     def snapshot(self) -> tuple[_core.Snapshot, list[int]]:
         """(the state, the tokens it holds), for restore(); the snapshot carries the model's fingerprint."""
@@ -252,7 +246,7 @@ class Session:
         with self.exclusive():
             self.core.restore(state)
             self.tokens = tokens.tolist()
-            self.messages, self.pending, self.ended_on_eos = None, None, False
+            self.conversation = None
 
     def prefill(self, token_ids, progress: Callable[[int, int], object] | None = None) -> np.ndarray:
         """Feeds tokens; returns the fp32 logits of the last one.
@@ -284,7 +278,7 @@ class Session:
                 fed = self.core.position - before  # all of them, or the chunks done before an interrupt
                 if fed:
                     self.tokens.extend(tokens[:fed].tolist())
-                    self.messages, self.pending = None, None
+                    self.conversation = None
 
     def generate(self, prompt, **kwargs) -> str:
         from lily.generate import generate

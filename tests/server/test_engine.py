@@ -33,7 +33,12 @@ def test_second_turn_prefills_only_its_new_tokens(server, client, tiny_model):
     second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, seed=2,
                                             extra_body=NO_THINKING)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached == prefix_tokens(tiny_model, messages[:2])  # everything up to the first reply
+    # the whole first turn as the state held it: its prompt and the reply's tokens but the last (sampled, not fed)
+    assert cached == first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    new_turn = tiny_model.tokenizer.apply_chat_template(messages[-1:], add_generation_prompt=True,
+                                                        enable_thinking=False)
+    closing = "\n" if first.choices[0].finish_reason == "stop" else "<|im_end|>\n"  # after <|im_end|> or another token
+    assert second.usage.prompt_tokens - cached == 1 + len(tiny_model.tokenizer.encode(closing + new_turn))
     work = server.metric("lily_engine_tokens_processed_total") - after_first
     assert work == (second.usage.prompt_tokens - cached) + second.usage.completion_tokens - 1
 

@@ -19,11 +19,14 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from lily.conversation import Conversation
 from lily.model import Model
+from lily.parsers import Delta, OutputParser, prompt_opens_thinking
 from lily.prefix_cache import PrefixCache, model_fingerprint
-from lily.parsers import OutputParser, prompt_opens_thinking
+from lily.server.anthropic import Anthropic
 from lily.server.engine import Engine, Job, Prompt, render_metrics
 from lily.server.openai import OpenAI
+from lily.server.responses import Responses
 from lily.server.protocol import RequestError, Sampling, field, parse_body, render_conversation
 
 log = logging.getLogger(__name__)
@@ -120,15 +123,39 @@ class Server:
         the job's events are then ("token", GenerationResponse)..., ("done", Usage) or ("error", RequestError)."""
         model = self.engine.model
 
-        def render() -> str:
+        def render() -> Callable[[Model], Prompt]:
+            """The prompt: the state of a conversation these messages extend, continued (Conversation), or else the
+            whole conversation rendered."""
+            conv = self.engine.conversations.find(messages, tools, template_kwargs)
+            found = conv and conv.continuation(model.tokenizer, messages)
+            if found:
+                self.engine.check_prompt_length(len(found[0]), param)
+                return lambda m: Prompt(*found)
             text = render_conversation(model, messages, tools, template_kwargs)
             self.engine.check_prompt_text(text, param)
-            return text
+            return lambda m: Prompt(m.tokenizer.encode(text), text)
 
-        text = await asyncio.to_thread(render)  # a long conversation renders off the event loop, not in the worker
-        job = Job(lambda m: Prompt(m.tokenizer.encode(text), text), sampling, param)
+        prompt_fn = await asyncio.to_thread(render)  # a long conversation renders off the event loop and the worker
+        job = Job(prompt_fn, sampling, param)
+        job.chat = (messages, tools, template_kwargs)
         prompt, watcher = await self.start(request, job)
         return job, watcher, OutputParser(reasoning=prompt_opens_thinking(prompt.text), tools=tools)
+
+    def finish_chat(self, job: Job, out: Delta) -> None:
+        """Records a chat job's finished reply (`out`, as its OutputParser split it): a next request whose messages
+        extend the conversation with this reply continues the state the engine held after it (Conversations)."""
+        if job.held is None:
+            return
+        messages, tools, template_kwargs = job.chat
+        reply = {"role": "assistant", "content": out.content}
+        if out.reasoning:
+            reply["reasoning_content"] = out.reasoning
+        if out.tool_calls:
+            reply["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                   for c in out.tool_calls]
+        h = job.held
+        self.engine.conversations.record(Conversation(tuple(messages) + (reply,), tools, dict(template_kwargs),
+                                                      h.tokens, h.pending, h.ended_on_eos))
 
     # -- endpoints -------------------------------------------------------------------------------------------
 
@@ -186,7 +213,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None):
         engine.metrics.count(request.url.path if exc.status_code != 404 else "other", exc.status_code)
         return openai_error(err)
 
-    routes = OpenAI(srv).routes() + srv.routes()
+    routes = OpenAI(srv).routes() + Responses(srv).routes() + Anthropic(srv).routes() + srv.routes()
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
 
 

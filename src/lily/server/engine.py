@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lily.conversation import Conversations
 from lily.generate import GenerationResponse, stream_generate
 from lily.model import Model
 from lily.prefix_cache import PrefixCache
@@ -46,18 +47,29 @@ class Usage:
 @dataclass
 class Prompt:
     ids: list[int]
-    text: str
+    text: str  # the prompt's text; for a continued conversation, the text of its new turns
+
+
+@dataclass
+class Held:
+    """What the state held when a job's reply was complete: its tokens (the prompt and the reply as fed), the reply's
+    last token if it was not fed, and whether the reply ended on an end-of-sequence token."""
+    tokens: np.ndarray
+    pending: int | None
+    ended_on_eos: bool
 
 
 class Job:
     """One request for the engine. Its events reach the event loop as (kind, value): ("accepted", Prompt),
-    ("token", GenerationResponse) per token, then ("done", Usage) or ("error", RequestError)."""
+    ("token", GenerationResponse) per token, then ("done", Usage) or ("error", RequestError). By "done", `held`
+    says what the state held after the reply (for Conversations)."""
 
     def __init__(self, prompt_fn: Callable[[Model], Prompt], sampling: Sampling, prompt_param: str):
         self.prompt_fn, self.sampling, self.prompt_param = prompt_fn, sampling, prompt_param
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.held: Held | None = None
 
     def emit(self, kind: str, value=None) -> None:
         try:
@@ -101,6 +113,7 @@ class Engine:
                  generate_fn: GenerateFn = stream_generate):
         self.model, self.cache, self.generate_fn = model, cache, generate_fn
         self.session = model.session(max_context)
+        self.conversations = Conversations()  # the chats whose replies the state held: the next turn continues them
         self.max_context = self.session.max_context
         self.metrics = Metrics()
         self.running = False
@@ -203,6 +216,7 @@ class Engine:
             return
         t_first = t_end = None
         last: GenerationResponse | None = None
+        generated = []
         stream = self.generate_fn(self.model, prompt.ids, session=self.session, sampling=params)
         try:
             for r in stream:
@@ -211,12 +225,18 @@ class Engine:
                 if self._closing or job.cancelled.is_set():
                     break
                 last = r
+                if r.token >= 0:
+                    generated.append(r.token)
                 job.emit("token", r)
         finally:
             stream.close()
         if last is None or last.finish_reason is None:
             self._cancelled(job)
             return
+        held = self.session.tokens
+        if held[:n] == prompt.ids and held[n:] == generated[:len(held) - n] and len(held) >= n + len(generated) - 1:
+            job.held = Held(np.asarray(held, dtype=np.int32), generated[-1] if len(held) < n + len(generated) else None,
+                            bool(generated) and generated[-1] in self.model.eos_token_ids)
         usage = Usage(n, cached, last.generation_tokens, last.finish_reason)
         self._record(usage, t_first - t0, t_end - t_first)  # before the response ends: a scrape after it sees it
         job.emit("done", usage)

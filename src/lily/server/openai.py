@@ -3,7 +3,6 @@ bodies checked and turned into prompts for the engine, and the engine's tokens t
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -13,11 +12,11 @@ from starlette.routing import Route
 
 from lily.generate import GenerationResponse
 from lily.model import Model
-from lily.parsers import MAX_JSON_DEPTH, Delta, OutputParser
+from lily.parsers import Delta, OutputParser
 from lily.sampling import MAX_TOP_LOGPROBS
 from lily.server.engine import Engine, Job, Prompt, Usage
-from lily.server.protocol import (RequestError, Sampling, check_json_value, field, json_type, parse_sampling,
-                                  reject_constant, render_conversation, sse, stream_options, text_content)
+from lily.server.protocol import (RequestError, Sampling, field, json_arguments, json_type, parse_sampling,
+                                  render_conversation, sse, stream_options, text_content)
 
 _RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt")
 
@@ -29,19 +28,7 @@ def _history_tool_call(call, where: str) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise RequestError(f"'{where}' must be an object with function.name", param=where)
-    args = fn.get("arguments", "{}")
-    param = where + ".function.arguments"
-    if isinstance(args, str):
-        try:
-            args = json.loads(args, parse_constant=reject_constant) if args.strip() else {}
-        except RecursionError:
-            raise RequestError(f"'{param}' nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
-                               param=param) from None
-        except ValueError as e:
-            raise RequestError(f"'{param}' is not valid JSON: {e}", param=param) from e
-        check_json_value(args, param)
-    if not isinstance(args, dict):
-        raise RequestError(f"'{param}' must be a JSON object", param=param)
+    args = json_arguments(fn.get("arguments", "{}"), where + ".function.arguments")
     out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
     if isinstance(call.get("id"), str):
         out["id"] = call["id"]
@@ -208,6 +195,7 @@ class OpenAI:
                     logprobs += self._chat_logprobs(value) if req.logprobs else []
                 elif kind == "done":
                     out += parser.finish()
+                    self.srv.finish_chat(job, out)
                     break
                 else:
                     raise value
@@ -232,7 +220,7 @@ class OpenAI:
             return sse(c)
 
         yield chunk({"role": "assistant", "content": ""})
-        calls = Delta()
+        out = Delta()  # the reply so far
         while True:
             kind, value = await job.next()
             if kind == "error":
@@ -245,15 +233,17 @@ class OpenAI:
             if d.content:
                 delta["content"] = d.content
             if d.tool_calls:
-                delta["tool_calls"] = [c.to_openai(len(calls.tool_calls) + i) for i, c in enumerate(d.tool_calls)]
-                calls += d
+                delta["tool_calls"] = [c.to_openai(len(out.tool_calls) + i) for i, c in enumerate(d.tool_calls)]
+            out += d
+            if kind == "done":
+                self.srv.finish_chat(job, out)
             logprobs = None
             if kind == "token" and req.logprobs and (entries := self._chat_logprobs(value)):
                 logprobs = {"content": entries}
             if delta or logprobs:
                 yield chunk(delta, logprobs=logprobs)
             if kind == "done":
-                yield chunk({}, _finish(value, calls))
+                yield chunk({}, _finish(value, out))
                 if req.include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                 "model": self.srv.model_id, "choices": [], "usage": value.to_openai()})

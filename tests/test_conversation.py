@@ -1,0 +1,102 @@
+"""Continuing a conversation from the state after its reply (lily.conversation): the new turns render as the chat
+template renders them in the whole conversation, a tool result continues as well as a user message, and the
+server's store finds a conversation by its messages whichever fields a client drops."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lily
+from lily.conversation import Conversation, Conversations, turns_after_reply
+
+REAL_TEMPLATE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "qwen3.6" / "chat_template.jinja"
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+CALL = {"role": "assistant", "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"q": "river"}}}]}
+
+
+@pytest.fixture(params=["tiny", "qwen3.6"])
+def model(request) -> lily.Model:
+    """The tiny model with its own template, or with the real one (a model of its own: the template is changed)."""
+    m = lily.load("tiny")
+    if request.param == "qwen3.6":
+        m.tokenizer.chat_template = REAL_TEMPLATE.read_text(encoding="utf-8")
+    return m
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("history, new", [
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+     [{"role": "user", "content": "again"}]),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}, CALL],
+     [{"role": "tool", "content": "a stream"}]),
+    ([{"role": "user", "content": "hi"}, CALL],
+     [{"role": "tool", "content": "one"}, {"role": "tool", "content": "two"}]),
+    ([{"role": "user", "content": "hi"}, CALL],
+     [{"role": "tool", "content": "one"}, {"role": "user", "content": "thanks"}]),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"},
+      {"role": "assistant", "content": "c", "reasoning_content": "thought"}],
+     [{"role": "user", "content": "d"}]),
+])
+def test_new_turns_render_as_in_the_whole_conversation(model, history, new, tools, thinking):
+    tok, kwargs = model.tokenizer, {"enable_thinking": thinking}
+    whole = tok.apply_chat_template(history + new, tools=tools, add_generation_prompt=True, **kwargs)
+    text = turns_after_reply(tok, new, tools, kwargs)
+    assert text and whole.endswith(text) and whole[:-len(text)].endswith("<|im_end|>\n")
+    assert text.startswith("<|im_start|>") and "<tools>" not in text and "<|im_start|>system" not in text
+    assert text.count("<|im_end|>") == whole[-len(text):].count("<|im_end|>") >= 1
+
+
+def test_a_tool_result_continues_the_state_with_the_tools_given_once(model, rng):
+    """The session's second turn, a tool result, reads only that turn: the tools' system block is not repeated (it
+    was, when the new messages were rendered alone) and the result is not refused (it was, by the real template:
+    'No user query found')."""
+    session = model.session()
+    msgs = [{"role": "user", "content": "Look up river."}]
+    first = list(session.stream_generate(msgs, tools=TOOLS, max_tokens=5, seed=int(rng.integers(2**31))))
+    held = list(session.tokens)
+    msgs += [{"role": "assistant", "content": "".join(r.text for r in first)},
+             {"role": "tool", "content": "a natural stream of water"}]
+    ids = session.continuation(msgs, TOOLS)
+    assert ids is not None and ids[:len(held)] == held
+    text = model.tokenizer.decode(ids)
+    assert text.count("<tools>") == (1 if "<tools>" in model.tokenizer.chat_template else 0)
+    assert text.endswith(turns_after_reply(model.tokenizer, msgs[-1:], TOOLS, {}))
+    second = list(session.stream_generate(msgs, tools=TOOLS, max_tokens=2, temperature=0))
+    assert second[0].cached_tokens == len(held) and second[0].prompt_tokens == len(ids)
+    assert session.continuation(msgs, None) is None  # other tools: another prompt
+    assert session.continuation(msgs[:1] + [{"role": "user", "content": "x"}] + msgs[2:], TOOLS) is None
+
+
+def _conversation(messages, tools=None, n=5) -> Conversation:
+    return Conversation(tuple(messages), tools, {}, np.arange(n, dtype=np.int32), 7, False)
+
+
+def test_the_store_finds_the_longest_conversation_a_request_extends():
+    store = Conversations(max_entries=3)
+    reply = {"role": "assistant", "content": "c", "reasoning_content": "r",
+             "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
+    short = _conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    long = _conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                          {"role": "user", "content": "q"}, reply], n=9)
+    store.record(short)
+    store.record(long)
+    # The client sends the reply back without its reasoning, with its arguments as a JSON string and another id.
+    echoed = {"role": "assistant", "content": "c",
+              "tool_calls": [{"id": "call_9", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    request = list(long.messages[:-1]) + [echoed, {"role": "tool", "content": "2"}]
+    assert store.find(request) is long
+    assert store.find(list(short.messages) + [{"role": "user", "content": "z"}]) is short
+    assert store.find(list(long.messages)) is short  # nothing after its own reply: only the shorter one continues
+    assert store.find(list(short.messages)) is None
+    assert store.find(request, tools=TOOLS) is None  # rendered with tools: another prompt
+    assert store.find(request, template_kwargs={"enable_thinking": False}) is None
+    changed = [dict(request[0], content="A")] + request[1:]
+    assert store.find(changed) is None
+    other_reply = list(long.messages[:-1]) + [dict(echoed, content="C"), {"role": "tool", "content": "2"}]
+    assert store.find(other_reply) is short  # the last reply differs: the earlier conversation still matches
+    for i in range(3):  # bounded: the least recently used go first
+        store.record(_conversation([{"role": "user", "content": str(i)}, {"role": "assistant", "content": "x"}]))
+    assert len(store) == 3 and store.find(request) is None
