@@ -20,6 +20,8 @@ INT32_MAX = 2**31 - 1
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e5
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-5, 1e5
 MAX_PENALTY = 1e5  # |presence_penalty|, |frequency_penalty|
+# Stop strings: each is searched for at every token, so their count is bounded (OpenAI's API allows 4).
+MAX_STOPS = 64
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -45,7 +47,8 @@ class SamplingParams:
             if not _is_a(value, kinds):
                 raise ValueError(f"SamplingParams.{name} must be {_kind_names(kinds)}, got {_show(value)}")
             if not ok(value):
-                raise ValueError(f"SamplingParams.{name} must be {requirement}, got {_show(value)}")
+                got = f"a list of {len(value)} strings" if name == "stop" and len(value) > MAX_STOPS else _show(value)
+                raise ValueError(f"SamplingParams.{name} must be {requirement}, got {got}")
             if kinds == _REAL and not ok(float(np.float32(value))):  # the core reads it as a 32-bit float
                 raise ValueError(f"SamplingParams.{name} must be {requirement}, got {_show(value)} "
                                  f"({float(np.float32(value))!r} as a 32-bit float)")
@@ -117,7 +120,8 @@ _RULES = [
     ("seed", _SEED, lambda v: v is None or 0 <= v <= _MASK64, "None or in [0, 2**64)"),
     ("top_logprobs", _INT, _in(0, MAX_TOP_LOGPROBS), f"in 0..{MAX_TOP_LOGPROBS}"),
     ("max_tokens", _INT, _in(1, INT32_MAX), f"in [1, {INT32_MAX}]"),
-    ("stop", (list,), lambda v: all(isinstance(s, str) and s for s in v), "a list of non-empty strings"),
+    ("stop", (list,), lambda v: len(v) <= MAX_STOPS and all(isinstance(s, str) and s for s in v),
+     f"a list of at most {MAX_STOPS} non-empty strings"),
     ("logprobs", (bool,), lambda v: True, "a boolean"),
 ]
 

@@ -432,6 +432,26 @@ def test_session_sizes_out_of_range_are_value_errors_naming_the_argument(tiny_mo
         tiny_model.session(**{name: good})
 
 
+# -- stop strings -------------------------------------------------------------------------------------------------
+
+def test_a_stop_list_past_the_limit_is_a_value_error_naming_the_limit(endless_model):
+    """Every stop string is searched for at every token: 2.6 million of them (a 16 MB request body) cost 0.3 s a
+    token, holding the server's worker for hours on a long reply. The count is bounded, the strings' lengths are
+    not (a long stop string costs nothing per token)."""
+    from lily.sampling import MAX_STOPS
+
+    assert MAX_STOPS >= 16
+    for stops in (["zq"] * (MAX_STOPS + 1), [f"s{i}" for i in range(300_000)]):
+        with pytest.raises(ValueError, match=rf"^SamplingParams.stop must be a list of at most {MAX_STOPS} non-empty "
+                                             rf"strings, got a list of {len(stops)} strings$"):
+            lily.SamplingParams(stop=stops)
+        with pytest.raises(ValueError, match="SamplingParams.stop"):
+            lily.generate(endless_model, "hi", max_tokens=2, stop=stops)
+    stops = [f"never-{i}" for i in range(MAX_STOPS - 1)] + ["x" * 100_000]
+    assert lily.generate(endless_model, [1, 2, 3], max_tokens=6, temperature=0.0, stop=stops) == \
+        _greedy(endless_model, [1, 2, 3])
+
+
 # -- token ids -------------------------------------------------------------------------------------------------
 
 BAD_TOKENS = [
