@@ -2,6 +2,7 @@
 backend line, bad model paths and the other errors a user meets first. Interactive use (Ctrl-C in a terminal) is
 tests/test_cli_terminal.py."""
 
+import io
 import json
 import os
 import re
@@ -127,6 +128,29 @@ def test_slash_message_is_sent_without_the_escape(tiny_model):
     reply = "".join(r.text for r in lily.stream_generate(tiny_model, [{"role": "user", "content": "/etc/hosts"}],
                                                           max_tokens=5, seed=3))
     assert code == 0 and out == f">> {reply}\n>> \n"
+
+
+def test_ctrl_c_as_the_first_text_is_shown_stops_the_reply_not_the_prefill(tiny_model, monkeypatch):
+    """Python raises a Ctrl-C that comes while the reply's first text is written when print returns: the text is on
+    the screen, so the reply was interrupted (not the prefill, which would drop a message the user saw answered)."""
+    from types import SimpleNamespace
+
+    from lily import cli
+
+    class Terminal(io.StringIO):
+        interrupted = False
+
+        def flush(self):
+            if self.getvalue() and not self.interrupted:
+                self.interrupted = True
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    args = SimpleNamespace(**{name: None for name, _ in cli.SAMPLING_FLAGS}, max_tokens=8, stop=None, no_thinking=False)
+    args.seed = 0
+    text, where = cli._run(tiny_model, tiny_model.session(), [{"role": "user", "content": "hi"}], args, stats=False)
+    shown = sys.stdout.getvalue()
+    assert where == "reply" and text and shown == text + "\n"
 
 
 @pytest.fixture(scope="module")

@@ -88,12 +88,15 @@ def test_short_prefill_shows_no_progress():
     assert p.returncode == 0 and "prefill" not in p.stderr, p.stderr
 
 
-def _long_reply_seed(tiny_model, message: str) -> int:
-    """A seed whose reply to `message` has no EOS in its first 48 tokens (the tiny model's weights are random)."""
+def _long_reply_seed(tiny_model, message: str) -> tuple[int, str]:
+    """A seed whose reply to `message` has no EOS in its first 48 tokens (the tiny model's weights are random), and
+    the text the terminal shows once the reply's first three tokens (or more, to the first that adds text) are out:
+    seeing it proves the reply has started and the state holds some of its tokens."""
     for seed in range(20):
         rs = list(lily.stream_generate(tiny_model, [{"role": "user", "content": message}], max_tokens=48, seed=seed))
         if rs[-1].finish_reason == "length":
-            return seed
+            k = next(k for k in range(3, len(rs)) if rs[k - 1].text)
+            return seed, "".join(r.text for r in rs[:k]).replace("\n", "\r\n")
     pytest.fail("no seed in 0..19 gives a reply of 48 tokens without EOS")
 
 
@@ -102,12 +105,15 @@ STATS = re.compile(r"\[cpu \| prompt (\d+) tokens \((\d+) cached\)")
 
 def test_ctrl_c_in_chat_stops_the_reply_and_keeps_the_conversation(tiny_model):
     message = "Tell me a story"
-    seed = _long_reply_seed(tiny_model, message)
+    seed, start = _long_reply_seed(tiny_model, message)
     child = _spawn("chat", "--model", "tiny", "--seed", str(seed), "--max-tokens", "100000", "--stats")
     child.expect(">> ")
     child.sendline(message)
     child.expect(message + r"\r\n")  # the echo of the line typed
-    child.expect(".")  # the reply has started
+    # The reply has started and its first tokens are in the state. (Not just its first character: a Ctrl-C then can
+    # land before the first token is fed, the host loop feeding each token as it samples the next, and the next turn
+    # rightly reuses the prompt alone; under load that failed the assertion below.)
+    child.expect_exact(start)
     child.sendintr()
     child.expect(r"\[interrupted: the reply so far stays in the conversation\]")
     child.expect(">> ")

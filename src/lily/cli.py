@@ -182,9 +182,9 @@ def _run(model, session, prompt, args, stats: bool) -> tuple[str, str | None]:
                              enable_thinking=False if args.no_thinking else None, **_sampling(args))
     try:
         for r in stream:
+            last = r  # first: Ctrl-C during the print is seen as print returns, with the text on the screen
             out.append(r.text)
             print(r.text, end="", flush=True)
-            last = r
     except KeyboardInterrupt:
         progress.close()
         stream.close()
