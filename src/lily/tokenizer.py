@@ -14,6 +14,8 @@ from lily import chat
 
 # Named special tokens that transformers passes to chat templates (its `special_tokens_map`).
 _TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Texts at least this long are encoded with the GIL released (Tokenizer.encode).
+_GIL_FREE_CHARS = 1 << 14
 
 
 def _byte_level_char_to_byte() -> dict[str, int]:
@@ -116,7 +118,11 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         try:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            if len(text) < _GIL_FREE_CHARS:
+                return self._tok.encode(text, add_special_tokens=False).ids
+            # encode() holds the GIL throughout; encode_batch() releases it (same ids), so that a long prompt does not
+            # freeze the process's other threads (the server's event loop) while it is tokenised.
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:  # the Rust side takes only valid Unicode: a lone surrogate (from a "\ud800" escape) is not
             bad = re.search("[\ud800-\udfff]", text)
             if bad is None:

@@ -452,6 +452,37 @@ def test_a_stop_list_past_the_limit_is_a_value_error_naming_the_limit(endless_mo
         _greedy(endless_model, [1, 2, 3])
 
 
+# -- long texts ---------------------------------------------------------------------------------------------------
+
+def test_tokenising_a_long_text_lets_other_threads_run(tiny_model):
+    """Tokenizer.encode of a long text held the GIL throughout (tokenizers' encode does not release it): a prompt of
+    a few MB froze every other thread of the process, the server's event loop included (/health took 6 s)."""
+    rng = np.random.default_rng(1)
+    text = "".join(rng.choice(list("!#$%&()*+,-./:;<=>?@[]^_{|}~ ab"), 1_000_000))
+    ticks, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        before = ticks[0]
+        t0 = time.perf_counter()
+        ids = tiny_model.tokenizer.encode(text)
+        took, during = time.perf_counter() - t0, ticks[0] - before
+    finally:
+        stop.set()
+        thread.join()
+    assert ids == tiny_model.tokenizer._tok.encode(text, add_special_tokens=False).ids
+    assert during >= min(20, took * 100), (during, took)  # with the GIL held: 0-2 ticks
+    with pytest.raises(ValueError, match="lone UTF-16 surrogate"):
+        tiny_model.tokenizer.encode(text + "\ud800")
+
+
 # -- token ids -------------------------------------------------------------------------------------------------
 
 BAD_TOKENS = [
