@@ -94,6 +94,21 @@ def test_bad_backend_names(monkeypatch):
         lily.load("tiny")
 
 
+def test_an_unusable_backend_from_the_environment_names_the_variable(monkeypatch):
+    """LILY_BACKEND set long ago in a shell profile: the error says where the backend came from, and why not."""
+    unusable = [b for b in lily.backends() if not b.usable]
+    if not unusable:
+        pytest.skip("every backend can run here")
+    b = unusable[0]
+    monkeypatch.setenv("LILY_BACKEND", b.name)
+    with pytest.raises(ValueError) as e:
+        lily.load("tiny")
+    assert str(e.value) == f"LILY_BACKEND={b.name}: backend '{b.name}' cannot run here: {b.reason}"
+    code = subprocess.run([sys.executable, "-m", "lily", "generate", "--prompt", "hi"], capture_output=True, text=True,
+                          timeout=120)
+    assert code.returncode == 2 and code.stderr.strip() == f"lily: error: {e.value}"
+
+
 def test_load_without_a_backend_takes_the_default(monkeypatch):
     monkeypatch.delenv("LILY_BACKEND")
     model = lily.load("tiny")

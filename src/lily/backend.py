@@ -46,7 +46,7 @@ def backend_names() -> list[str]:
 def resolve_backend(backend: str | None = None) -> str:
     """The backend a model gets: `backend` if given; None means LILY_BACKEND when set, else "auto"; "auto" is the
     first usable of cuda, metal, cpu. An unknown name is a ValueError; a named backend that cannot run here fails
-    when the model is created, saying why."""
+    when the model is created, saying why (here already when LILY_BACKEND named it, so that the error says so)."""
     source = ""
     if backend is None:
         backend = os.environ.get("LILY_BACKEND", "").strip() or "auto"
@@ -57,6 +57,10 @@ def resolve_backend(backend: str | None = None) -> str:
         if backend not in NAMES:
             raise ValueError(f"{source}unknown backend {backend!r} (Lily has auto, {', '.join(NAMES)}; compiled "
                              f"into this build: {', '.join(backend_names())})")
+        if source and backend != "cpu":  # (the CPU always runs; probing it would start a GPU driver for nothing)
+            info = next(b for b in backends() if b.name == backend)
+            if not info.usable:
+                raise ValueError(f"{source}backend {backend!r} cannot run here: {info.reason}")
         return backend
     return next(b.name for b in backends() if b.usable)  # the CPU always is
 
