@@ -41,6 +41,15 @@ def _check_generate(tiny_model, code: int, out: str, err: str) -> None:
     assert int(generated) == len(responses) and finish == responses[-1].finish_reason
 
 
+def test_help_says_what_each_default_is():
+    code, out, _ = _run([sys.executable, "-m", "lily", "generate", "--help"])
+    assert code == 0
+    text = " ".join(out.split())
+    assert "--seed SEED random seed (default: a fresh one for each reply" in text
+    assert "--max-context N context limit of the session in tokens (default: the model's" in text
+    assert "--max-tokens N most tokens to generate per reply (default: max_new_tokens" in text
+
+
 def test_python_m_lily_generate(tiny_model):
     _check_generate(tiny_model, *_run([sys.executable, "-m", "lily", *GENERATE_ARGS]))
 

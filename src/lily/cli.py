@@ -32,13 +32,15 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="most tokens to generate per reply (default: max_new_tokens of the model's "
                         "generation_config.json, else 256); a reply also ends at EOS, a stop string or the "
                         "context limit")
-    p.add_argument("--max-context", type=int, default=None, help="context limit of the session (tokens)")
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="context limit of the session in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="tokens per prefill step (default: the backend's; smaller bounds memory and makes progress "
                         "reports and Ctrl-C come sooner)")
     for name, kind in SAMPLING_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                       help="default: the model's generation_config.json")
+                       help="random seed (default: a fresh one for each reply; a seed and prompt give the same reply each time)"
+                       if name == "seed" else "default: the model's generation_config.json")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--no-thinking", action="store_true", help="render the chat template with enable_thinking=false")
     system = p.add_mutually_exclusive_group()
