@@ -39,8 +39,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "reports and Ctrl-C come sooner)")
     for name, kind in SAMPLING_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                       help="random seed (default: a fresh one for each reply; a seed and prompt give the same reply each time)"
-                       if name == "seed" else "default: the model's generation_config.json")
+                       help="random seed (default: a fresh one for each reply; a seed and prompt give the same "
+                       "reply each time)" if name == "seed" else "default: the model's generation_config.json")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--no-thinking", action="store_true", help="render the chat template with enable_thinking=false")
     system = p.add_mutually_exclusive_group()
