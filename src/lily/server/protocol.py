@@ -195,6 +195,23 @@ def stream_options(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+def json_arguments(args, param: str) -> dict:
+    """Tool-call arguments as the chat template takes them: a JSON object, sent as a string of JSON (OpenAI's
+    way; empty means {}) or as an object; RequestError naming `param` for anything else."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args, parse_constant=reject_constant) if args.strip() else {}
+        except RecursionError:
+            raise RequestError(f"'{param}' nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+                               param=param) from None
+        except ValueError as e:
+            raise RequestError(f"'{param}' is not valid JSON: {e}", param=param) from e
+        check_json_value(args, param)
+    if not isinstance(args, dict):
+        raise RequestError(f"'{param}' must be a JSON object", param=param)
+    return args
+
+
 def text_content(content, where: str) -> str:
     if content is None:
         return ""
