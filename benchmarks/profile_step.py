@@ -42,7 +42,7 @@ def profile(context: int, chunk: int, what: str) -> None:
     if "decode" in what:
         s = model.core.session(max_context=context + 64, prefill_chunk=chunk)
         g = _core.Generator(s, lily.SamplingParams(temperature=0.0).to_core(), [], 16, model.n_valid)
-        g.prefill(prompt, np.zeros(0, np.int32))
+        g.prefill(prompt)
         for _ in range(6):  # eager step, captured step, replays
             g.next()
         cuda.cuProfilerStart()

@@ -91,19 +91,19 @@ class Script:
         self.lock = threading.Lock()
         self.started = threading.Event()  # set when a reply begins
 
-    def __call__(self, model, prompt_ids, *, session, sampling):
+    def __call__(self, model, prompt_ids, *, session, sampling, progress=None):
         text = model.tokenizer.decode(prompt_ids)
         self.prompts.append(text)
         self.sampling.append(sampling)
-        return self._generate(model, prompt_ids, session, sampling, self.reply(text))
+        return self._generate(model, prompt_ids, session, sampling, self.reply(text), progress)
 
-    def _generate(self, model, prompt_ids, session, sampling, reply: str):
+    def _generate(self, model, prompt_ids, session, sampling, reply: str, progress):
         with self.lock:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
         try:
             cached = session.reuse(prompt_ids)
-            session.prefill(prompt_ids[cached:])
+            session.prefill(prompt_ids[cached:], progress=progress)
             ids = model.tokenizer.encode(reply) + [model.eos_token_ids[0]]
             detok = model.tokenizer.detokenizer()
             self.started.set()

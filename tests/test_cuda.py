@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import lily
+from lily import _core
 from lily.tiny import TINY_TEXT_CONFIG, build_tiny
 
 
@@ -120,10 +121,13 @@ def test_snapshot_restore_on_gpu(tiny_pair):
     s = gpu.core.session(max_context=128)
     s.prefill(tokens[:30])
     snap = s.snapshot()
+    assert snap.on_device and snap.tokens == tokens[:30].tolist()  # a device copy of the used rows
     a = s.prefill(tokens[30:])
     s.restore(snap)
     b = s.prefill(tokens[30:])
     assert np.array_equal(a, b)
+    s.restore(_core.Snapshot.from_bytes(snap.to_bytes()))  # through the host and back
+    assert np.array_equal(s.prefill(tokens[30:]), a) and s.tokens == tokens.tolist()
 
 
 @pytest.mark.parametrize("switches", ["on", "off"])

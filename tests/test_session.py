@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import lily
+from lily import _core
 
 
 def _ids(rng, model, n) -> np.ndarray:
@@ -60,7 +61,8 @@ def test_snapshot_restore_replays_exactly(model, rng):
     s = model.core.session(max_context=128, prefill_chunk=16)
     s.prefill(head)
     snap = s.snapshot()
-    assert snap.position == 30 and snap.nbytes > 0
+    assert snap.position == 30 and snap.nbytes > 0 and snap.tokens == head.tolist() == s.tokens
+    assert snap.on_device  # in the backend's memory (the CPU's is the host's)
 
     first = s.forward_all(more)
     _assert_same_logits(first, _full_pass(model, np.concatenate([head, more]))[30:])
@@ -75,7 +77,12 @@ def test_snapshot_restore_replays_exactly(model, rng):
 
     fresh = model.core.session(max_context=128, prefill_chunk=16)
     fresh.restore(snap)
-    assert fresh.position == 30
+    assert fresh.position == 30 and fresh.tokens == head.tolist()
+    np.testing.assert_array_equal(fresh.forward_all(more), first)
+
+    read = _core.Snapshot.from_bytes(snap.to_bytes())  # host memory, the same state
+    assert not read.on_device and read.tokens == snap.tokens and read.nbytes == snap.nbytes
+    fresh.restore(read)
     np.testing.assert_array_equal(fresh.forward_all(more), first)
 
 

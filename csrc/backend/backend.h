@@ -107,6 +107,11 @@ class Backend {
   // A weight tensor as the backend reads it: the host pointer itself where memory is shared (CPU, unified
   // memory; zero copy), else a resident copy owned by the backend.
   virtual const void* weight(const void* host, size_t bytes) = 0;
+  // Memory for copies of state (snapshots) that no op and no recorded unit reads, filled and read with copy(),
+  // to_host() and to_device(): released from any thread (under the model's backend lock) without waiting for or
+  // dropping recorded units. Throws std::bad_alloc where there is no room.
+  virtual void* alloc_state(size_t bytes) { return alloc(bytes); }
+  virtual void release_state(void* p) { release(p); }
   virtual void to_device(void* dst, const void* src, size_t bytes) = 0;
   virtual void to_host(void* dst, const void* src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;

@@ -17,27 +17,55 @@ namespace lily {
 Model::Model(const Config& cfg, const TensorMap& tensors, const std::string& backend, const Optimisations& opts)
     : cfg_(cfg) {
   cfg_.validate();  // before anything is sized from the config
-  be_ = make_backend(backend);
-  be_->set_optimisations(opts);
+  be_ = std::make_shared<SharedBackend>();
+  be_->backend = make_backend(backend);
+  be_->backend->set_optimisations(opts);
   fingerprint_ = lily::fingerprint(cfg_, tensors);
-  w_ = bind_weights(cfg_, tensors, *be_);
+  w_ = bind_weights(cfg_, tensors, *be_->backend);
 }
 
 Model::~Model() {
-  for (void* p : w_.owned) be_->release(p);
+  std::lock_guard<std::recursive_mutex> lock(be_->lock);
+  for (void* p : w_.owned) be_->backend->release(p);
 }
 
-size_t Snapshot::nbytes() const {
-  size_t n = 0;
-  for (auto* group : {&kv, &conv, &rec})
-    for (auto& b : *group) n += b.size();
-  return n;
+StateMemory::StateMemory(std::shared_ptr<SharedBackend> be, size_t bytes) : size_(bytes) {
+  try {
+    std::lock_guard<std::recursive_mutex> lock(be->lock);
+    device_ = be->backend->alloc_state(std::max<size_t>(bytes, 1));
+    be_ = std::move(be);
+  } catch (const std::bad_alloc&) {  // no room on the device: the host holds it
+    host_.resize(bytes);
+  }
+}
+
+StateMemory::StateMemory(std::vector<uint8_t> host) : host_(std::move(host)), size_(host_.size()) {}
+
+StateMemory::~StateMemory() {
+  if (!device_) return;
+  std::lock_guard<std::recursive_mutex> lock(be_->lock);
+  try {
+    be_->backend->release_state(device_);
+  } catch (...) {  // a destructor must not throw; the memory goes with the backend
+  }
+}
+
+void StateMemory::read(size_t at, void* dst, size_t n) const {
+  LILY_ASSERT(at <= size_ && n <= size_ - at, "StateMemory::read out of bounds");
+  if (!n) return;
+  if (!device_) {
+    std::memcpy(dst, host_.data() + at, n);
+    return;
+  }
+  std::lock_guard<std::recursive_mutex> lock(be_->lock);
+  be_->backend->to_host(dst, static_cast<const uint8_t*>(device_) + at, n);
 }
 
 namespace {
 constexpr char kSnapshotMagic[8] = {'L', 'I', 'L', 'Y', 'S', 'N', 'A', 'P'};
 // 1: no fingerprint (refused: a snapshot that cannot say which model made it is not restored). 2: fingerprint.
-constexpr uint32_t kSnapshotVersion = 2;
+// 3: the tokens the state holds.
+constexpr uint32_t kSnapshotVersion = 3;
 constexpr uint32_t kMaxFingerprintBytes = 256;
 
 template <typename T>
@@ -47,20 +75,29 @@ void put(std::vector<uint8_t>& out, T v) {
 }
 }  // namespace
 
+// Layout on the wire: magic, version u32, fingerprint (u32 size, bytes), pos i32, tokens (pos × i32), then three
+// groups (KV per attention layer, conv per GDN layer, recurrent per GDN layer), each a u64 count of blobs, every
+// blob a u64 size and its bytes.
 std::vector<uint8_t> Snapshot::serialize() const {
   std::vector<uint8_t> out(kSnapshotMagic, kSnapshotMagic + 8);
-  out.reserve(nbytes() + 64 + 8 * (kv.size() + conv.size() + rec.size()));
+  out.reserve(nbytes() + 64 + fingerprint.size() + 4 * tokens.size() + 8 * (attn_layers + 2 * gdn_layers));
   put(out, kSnapshotVersion);
   put(out, uint32_t(fingerprint.size()));
   out.insert(out.end(), fingerprint.begin(), fingerprint.end());
   put(out, int32_t(pos));
-  for (auto* group : {&kv, &conv, &rec}) {
-    put(out, uint64_t(group->size()));
-    for (auto& b : *group) {
-      put(out, uint64_t(b.size()));
-      out.insert(out.end(), b.begin(), b.end());
-    }
-  }
+  for (int32_t t : tokens) put(out, t);
+  auto blob = [&](size_t at, size_t n) {
+    put(out, uint64_t(n));
+    const size_t end = out.size();
+    out.resize(end + n);
+    memory->read(at, out.data() + end, n);
+  };
+  put(out, uint64_t(attn_layers));
+  for (int l = 0; l < attn_layers; ++l) blob(kv_offset(l), kv_bytes());
+  put(out, uint64_t(gdn_layers));
+  for (int l = 0; l < gdn_layers; ++l) blob(gdn_offset(l), conv_bytes);
+  put(out, uint64_t(gdn_layers));
+  for (int l = 0; l < gdn_layers; ++l) blob(gdn_offset(l) + conv_bytes, rec_bytes);
   return out;
 }
 
@@ -78,6 +115,8 @@ Snapshot Snapshot::deserialize(const uint8_t* data, size_t n) {
   take(&version, 4);
   LILY_CHECK(version != 1, "snapshot format version 1 is no longer supported: it does not record which model made "
              "it (make the snapshot again)");
+  LILY_CHECK(version != 2, "snapshot format version 2 is no longer supported: it does not record the tokens the state "
+             "holds (make the snapshot again)");
   LILY_CHECK(version == kSnapshotVersion, "snapshot format version ", version, " is not supported (expected ",
              kSnapshotVersion, ")");
   Snapshot s;
@@ -89,20 +128,48 @@ Snapshot Snapshot::deserialize(const uint8_t* data, size_t n) {
   take(s.fingerprint.data(), fp_bytes);
   int32_t pos;
   take(&pos, 4);
+  LILY_CHECK(pos >= 0 && size_t(pos) <= (n - at) / 4, "snapshot data is corrupt (a position of ", pos, ")");
   s.pos = pos;
-  for (auto* group : {&s.kv, &s.conv, &s.rec}) {
-    uint64_t count;
-    take(&count, 8);
-    LILY_CHECK(count <= 4096, "snapshot data is corrupt (", count, " blobs)");
-    for (uint64_t i = 0; i < count; ++i) {
+  s.tokens.resize(size_t(pos));
+  take(s.tokens.data(), 4 * size_t(pos));
+  // Three groups of blobs; every blob of a group has the same size (the layout above), checked before copying.
+  size_t sizes[3] = {0, 0, 0};
+  uint64_t counts[3];
+  std::vector<std::pair<size_t, size_t>> blobs;  // (offset in data, size), group by group
+  for (int g = 0; g < 3; ++g) {
+    take(&counts[g], 8);
+    LILY_CHECK(counts[g] <= uint64_t(kMaxLayers), "snapshot data is corrupt (", counts[g], " blobs)");
+    for (uint64_t i = 0; i < counts[g]; ++i) {
       uint64_t size;
       take(&size, 8);
       LILY_CHECK(size <= n - at, "snapshot data is truncated (", n, " bytes)");
-      group->emplace_back(data + at, data + at + size);
+      LILY_CHECK(i == 0 || size == sizes[g], "snapshot data is corrupt (layers of different sizes)");
+      sizes[g] = size;
+      blobs.emplace_back(at, size);
       at += size;
     }
   }
   LILY_CHECK(at == n, "snapshot data has ", n - at, " trailing bytes");
+  LILY_CHECK(counts[1] == counts[2], "snapshot data is corrupt (", counts[1], " conv states, ", counts[2],
+             " recurrent states)");
+  LILY_CHECK(pos == 0 ? sizes[0] == 0 : sizes[0] % (2 * size_t(pos)) == 0, "snapshot data is corrupt (KV rows of ",
+             sizes[0], " bytes for ", pos, " tokens)");
+  s.attn_layers = int(counts[0]);
+  s.gdn_layers = int(counts[1]);
+  s.kv_row_bytes = pos ? sizes[0] / (2 * size_t(pos)) : 0;
+  s.conv_bytes = sizes[1];
+  s.rec_bytes = sizes[2];
+  // Into the layout: the KV layers, then the conv and recurrent state of each GDN layer side by side.
+  std::vector<uint8_t> memory(size_t(s.attn_layers) * s.kv_bytes() +
+                              size_t(s.gdn_layers) * (s.conv_bytes + s.rec_bytes));
+  for (int l = 0; l < s.attn_layers; ++l)
+    std::memcpy(memory.data() + s.kv_offset(l), data + blobs[l].first, s.kv_bytes());
+  for (int l = 0; l < s.gdn_layers; ++l) {
+    std::memcpy(memory.data() + s.gdn_offset(l), data + blobs[s.attn_layers + l].first, s.conv_bytes);
+    std::memcpy(memory.data() + s.gdn_offset(l) + s.conv_bytes, data + blobs[s.attn_layers + s.gdn_layers + l].first,
+                s.rec_bytes);
+  }
+  s.memory = std::make_shared<StateMemory>(std::move(memory));
   return s;
 }
 
@@ -161,6 +228,7 @@ void Session::reset() {
   for (float* p : rec_)
     be_.zero(p, size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4);
   pos_ = 0;
+  tokens_.clear();
   pos_dev_valid_ = false;
 }
 
@@ -204,12 +272,12 @@ void Session::reserve_work(int T) {
   x_ = static_cast<float*>(take(t * c.hidden_size * sizeof(float)));
   a_ = take(t * c.hidden_size * ab);
   d_ = take(t * c.hidden_size * ab);
-  p0_ = take(t * std::max<size_t>(c.conv_dim(), 2 * NH * HD) * ab);
-  p1_ = take(t * std::max<size_t>(c.value_dim(), NKV * HD) * ab);
-  p2_ = take(t * std::max<size_t>(NV, NKV * HD) * ab);
-  p3_ = take(t * std::max<size_t>(NV, NH * HD) * ab);
-  p4_ = take(t * c.conv_dim() * ab);
-  p5_ = take(t * c.value_dim() * ab);
+  qg_x_ = take(t * std::max<size_t>(c.conv_dim(), 2 * NH * HD) * ab);
+  k_z_ = take(t * std::max<size_t>(c.value_dim(), NKV * HD) * ab);
+  v_b_ = take(t * std::max<size_t>(NV, NKV * HD) * ab);
+  attn_alpha_ = take(t * std::max<size_t>(NV, NH * HD) * ab);
+  conv_out_ = take(t * c.conv_dim() * ab);
+  y_ = take(t * c.value_dim() * ab);
   work_T_ = T;
 }
 
@@ -218,10 +286,10 @@ void Session::mixer_attention(const LayerWeights& L, int T, void* k_cache, void*
   AttnArgs a{T, pos_, kv_cap_, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim(),
              float(c.rope_theta), float(c.rms_norm_eps), device_pos ? pos_dev_ : nullptr};
   const QMatrix proj[3] = {L.q_proj, L.k_proj, L.v_proj};
-  void* const out[3] = {p0_, p1_, p2_};  // qg [T, NH, 2·HD], k [T, NKV·HD], v [T, NKV·HD]
+  void* const out[3] = {qg_x_, k_z_, v_b_};  // qg [T, NH, 2·HD], k [T, NKV·HD], v [T, NKV·HD]
   be_.qmm_multi(proj, 3, a_, T, out);
-  be_.attention(a, p0_, p1_, p2_, L.q_norm, L.k_norm, k_cache, v_cache, p3_);  // [T, NH·HD], gated
-  be_.qmm(L.o_proj, p3_, T, d_, false);
+  be_.attention(a, qg_x_, k_z_, v_b_, L.q_norm, L.k_norm, k_cache, v_cache, attn_alpha_);  // [T, NH·HD], gated
+  be_.qmm(L.o_proj, attn_alpha_, T, d_, false);
 }
 
 void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state) {
@@ -229,12 +297,12 @@ void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* r
   GdnArgs a{T, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
             c.linear_conv_kernel_dim, float(c.rms_norm_eps)};
   const QMatrix proj[4] = {L.in_proj_qkv, L.in_proj_z, L.in_proj_b, L.in_proj_a};
-  void* const out[4] = {p0_, p1_, p2_, p3_};  // X [T, conv_dim], z [T, NV·DV], b [T, NV], α [T, NV]
+  void* const out[4] = {qg_x_, k_z_, v_b_, attn_alpha_};  // X [T, conv_dim], z [T, NV·DV], b [T, NV], α [T, NV]
   be_.qmm_multi(proj, 4, a_, T, out);
-  be_.gdn_conv(a, p0_, L.conv1d, conv_state, p4_);                          // C = silu(conv(X)) [T, conv_dim]
-  be_.gdn_scan(a, p4_, p2_, p3_, L.A_log, L.dt_bias, rec_state, p5_);       // y [T, NV, DV]
-  be_.gdn_norm(a, p5_, p1_, L.gdn_norm, p0_);                               // o [T, NV·DV]
-  be_.qmm(L.out_proj, p0_, T, d_, false);
+  be_.gdn_conv(a, qg_x_, L.conv1d, conv_state, conv_out_);                           // C = silu(conv(X))
+  be_.gdn_scan(a, conv_out_, v_b_, attn_alpha_, L.A_log, L.dt_bias, rec_state, y_);  // y [T, NV, DV]
+  be_.gdn_norm(a, y_, k_z_, L.gdn_norm, qg_x_);                                      // o [T, NV·DV]
+  be_.qmm(L.out_proj, qg_x_, T, d_, false);
 }
 
 void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, bool device_pos) {
@@ -264,6 +332,7 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
   }
   pos_ += T;
   processed_ += T;
+  if (tokens) tokens_.insert(tokens_.end(), tokens, tokens + T);  // a device decode step's token: Generator::token_fed
   if (mode == Logits::None) return;
   const size_t V = c.vocab_size;
   const int rows = mode == Logits::All ? T : 1;
@@ -390,30 +459,39 @@ void Session::forward_all(const int32_t* tokens, int n, float* logits, const Chu
 
 Snapshot Session::snapshot() const {
   Hold hold(*this);
+  LILY_ASSERT(tokens_.size() == size_t(pos_), "session holds ", int(pos_), " positions but knows ", tokens_.size(),
+              " tokens");
   const Config& c = model_.config();
   Snapshot s;
   s.fingerprint = model_.fingerprint();
-  const size_t pos = size_t(pos_);
-  s.pos = int(pos);
-  const size_t row_bytes = size_t(c.num_key_value_heads) * c.head_dim * be_.act_bytes();
-  for (size_t i = 0; i < k_cache_.size(); ++i) {
-    std::vector<uint8_t> b(2 * pos * row_bytes);
-    if (pos) {
-      be_.to_host(b.data(), k_cache_[i], pos * row_bytes);
-      be_.to_host(b.data() + pos * row_bytes, v_cache_[i], pos * row_bytes);
-    }
-    s.kv.push_back(std::move(b));
+  s.pos = pos_;
+  s.tokens = tokens_;
+  s.kv_row_bytes = size_t(c.num_key_value_heads) * c.head_dim * be_.act_bytes();
+  s.conv_bytes = size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes();
+  s.rec_bytes = size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * sizeof(float);
+  s.attn_layers = int(k_cache_.size());
+  s.gdn_layers = int(conv_.size());
+  auto memory = std::make_shared<StateMemory>(
+      model_.shared_backend(), s.gdn_offset(s.gdn_layers));  // the end of the layout: its size
+  uint8_t* dst = static_cast<uint8_t*>(memory->data());
+  auto save = [&](size_t at, const void* src, size_t n) {
+    if (!n) return;
+    if (memory->on_device())
+      be_.copy(dst + at, src, n);
+    else
+      be_.to_host(dst + at, src, n);
+  };
+  const size_t rows = size_t(s.pos) * s.kv_row_bytes;  // the used rows only
+  for (int l = 0; l < s.attn_layers; ++l) {
+    save(s.kv_offset(l), k_cache_[l], rows);
+    save(s.kv_offset(l) + rows, v_cache_[l], rows);
   }
-  const size_t conv_bytes = size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes();
-  const size_t rec_bytes = size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4;
-  for (size_t i = 0; i < conv_.size(); ++i) {
-    std::vector<uint8_t> cv(conv_bytes), rv(rec_bytes);
-    be_.to_host(cv.data(), conv_[i], conv_bytes);
-    be_.to_host(rv.data(), rec_[i], rec_bytes);
-    s.conv.push_back(std::move(cv));
-    s.rec.push_back(std::move(rv));
+  for (int l = 0; l < s.gdn_layers; ++l) {
+    save(s.gdn_offset(l), conv_[l], s.conv_bytes);
+    save(s.gdn_offset(l) + s.conv_bytes, rec_[l], s.rec_bytes);
   }
   be_.sync();
+  s.memory = std::move(memory);
   return s;
 }
 
@@ -423,31 +501,42 @@ void Session::restore(const Snapshot& s) {
   const size_t row_bytes = size_t(c.num_key_value_heads) * c.head_dim * be_.act_bytes();
   const size_t conv_bytes = size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes();
   const size_t rec_bytes = size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4;
-  bool ok = s.pos >= 0 && s.kv.size() == k_cache_.size() && s.conv.size() == conv_.size() &&
-            s.rec.size() == rec_.size();
-  for (auto& b : s.kv) ok = ok && b.size() == 2 * size_t(s.pos) * row_bytes;
-  for (auto& b : s.conv) ok = ok && b.size() == conv_bytes;
-  for (auto& b : s.rec) ok = ok && b.size() == rec_bytes;
+  const bool ok = s.pos >= 0 && s.attn_layers == int(k_cache_.size()) && s.gdn_layers == int(conv_.size()) &&
+                  (s.pos == 0 || s.kv_row_bytes == row_bytes) && s.conv_bytes == conv_bytes &&
+                  s.rec_bytes == rec_bytes && s.memory && s.nbytes() == s.gdn_offset(s.gdn_layers);
   LILY_CHECK(ok, "snapshot does not belong to this model and backend (layer count, sizes or dtype differ)");
   LILY_CHECK(s.fingerprint == model_.fingerprint(), "snapshot was made by another model (fingerprint ",
              s.fingerprint.empty() ? std::string("none") : s.fingerprint, ", this model's is ", model_.fingerprint(),
              "): the same geometry with other weights");
-  changed();
+  LILY_CHECK(s.tokens.size() == size_t(s.pos), "snapshot is corrupt: it holds ", s.pos, " positions but ",
+             s.tokens.size(), " tokens");
   LILY_CHECK(s.pos <= max_context_, "snapshot holds ", s.pos, " tokens, more than this session's context limit of ",
              max_context_);
+  check_tokens(s.tokens.data(), s.pos);
+  changed();
   pos_ = 0;  // nothing to preserve while growing the caches
+  tokens_.clear();
   reserve_kv(s.pos);
-  for (size_t i = 0; i < k_cache_.size(); ++i) {
-    if (!s.pos) continue;
-    be_.to_device(k_cache_[i], s.kv[i].data(), s.pos * row_bytes);
-    be_.to_device(v_cache_[i], s.kv[i].data() + s.pos * row_bytes, s.pos * row_bytes);
+  const uint8_t* src = static_cast<const uint8_t*>(s.memory->data());
+  auto load = [&](void* dst, size_t at, size_t n) {
+    if (!n) return;
+    if (s.memory->on_device())
+      be_.copy(dst, src + at, n);
+    else
+      be_.to_device(dst, src + at, n);
+  };
+  const size_t rows = size_t(s.pos) * row_bytes;
+  for (int l = 0; l < s.attn_layers; ++l) {
+    load(k_cache_[l], s.kv_offset(l), rows);
+    load(v_cache_[l], s.kv_offset(l) + rows, rows);
   }
-  for (size_t i = 0; i < conv_.size(); ++i) {
-    be_.to_device(conv_[i], s.conv[i].data(), conv_bytes);
-    be_.to_device(rec_[i], s.rec[i].data(), rec_bytes);
+  for (int l = 0; l < s.gdn_layers; ++l) {
+    load(conv_[l], s.gdn_offset(l), conv_bytes);
+    load(rec_[l], s.gdn_offset(l) + conv_bytes, rec_bytes);
   }
   be_.sync();
   pos_ = s.pos;
+  tokens_ = s.tokens;
 }
 
 }  // namespace lily

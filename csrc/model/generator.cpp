@@ -53,11 +53,14 @@ void Generator::check_epoch(const char* call) const {
                               "cannot continue: start a new one"));
 }
 
-void Generator::prefill(const int32_t* tokens, int n, const int32_t* history, int n_history, const ChunkHook& hook) {
+void Generator::prefill(const int32_t* tokens, int n, const ChunkHook& hook) {
   Session::Hold hold(s_);
   check_epoch("prefill");
   LILY_CHECK(!ready_, "Generator.prefill() was already called: a generator runs one prompt");
   LILY_CHECK(n >= 1, "the prompt must add at least one token to the session");
+  const std::vector<int32_t>& before = s_.tokens();  // already in the session: they count for the penalties
+  const int32_t* history = before.data();
+  const int n_history = int(before.size());
   sampler_.add_prompt(history, n_history);  // validates the ids (and, on the device path, marks them seen)
   sampler_.add_prompt(tokens, n);
   s_.reserve(int(std::min<int64_t>(int64_t(n) + max_tokens_, INT32_MAX)));  // the prompt and the reply, once
@@ -135,13 +138,15 @@ GenStep Generator::next_device() {
     return out;
   }
   // Enqueue the step that feeds token k and selects token k+1 before waiting for token k.
-  if (k + 1 < max_tokens_ && s_.position() < s_.max_context()) {
+  const bool feeds = k + 1 < max_tokens_ && s_.position() < s_.max_context();
+  if (feeds) {
     s_.decode_device(params_, n_valid_, st_, serial_);
     be_.fetch_result(st_.results, (k + 1) % kResultSlots);
     enqueued_ = k + 2;
   }
   int32_t r[2];
   be_.wait_result(k % kResultSlots, r);
+  if (feeds) s_.token_fed(r[0]);  // the state holds it: the session's tokens say so
   out.token = r[0];
   std::memcpy(&out.logprob, &r[1], 4);
   sampler_.accept(r[0]);  // the host mirror of the history (penalties of a later host-path generation)

@@ -34,10 +34,10 @@ class Generator {
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;
 
-  // Feeds the prompt's new tokens (n ≥ 1) and keeps the logits of the last one. `history` tokens already in the
-  // session count for the repetition penalty. `hook` runs between prefill chunks (model.h, ChunkHook); if it throws,
-  // the session holds the chunks done and this generator cannot continue.
-  void prefill(const int32_t* tokens, int n, const int32_t* history, int n_history, const ChunkHook& hook = nullptr);
+  // Feeds the prompt's new tokens (n ≥ 1) and keeps the logits of the last one. The tokens already in the session
+  // count for the repetition penalty. `hook` runs between prefill chunks (model.h, ChunkHook); if it throws, the
+  // session holds the chunks done and this generator cannot continue.
+  void prefill(const int32_t* tokens, int n, const ChunkHook& hook = nullptr);
   // One generated token. The previous one is fed to the model first, so the state always holds every token
   // except the last one returned (which is "pending").
   GenStep next();

@@ -16,6 +16,16 @@
 
 namespace lily {
 
+// A model's backend and the lock that orders every use of it: one backend serves every session of the model, and a
+// backend is one device queue with shared scratch memory, so each call that uses it (Session::Hold) holds the lock
+// and calls on different sessions from different threads run one after the other. Recursive: a Generator's call
+// nests its Session's. Shared by the model and by the snapshots that live in its memory (StateMemory), so that it
+// outlives both.
+struct SharedBackend {
+  std::unique_ptr<Backend> backend;
+  std::recursive_mutex lock;
+};
+
 class Model {
  public:
   // opts: the ablation switches the backend runs with (core/optimisations.h).
@@ -27,23 +37,20 @@ class Model {
 
   const Config& config() const { return cfg_; }
   const Weights& weights() const { return w_; }
-  Backend& backend() const { return *be_; }
+  Backend& backend() const { return *be_->backend; }
+  const std::shared_ptr<SharedBackend>& shared_backend() const { return be_; }
   // The identity of the weights (weights.h, fingerprint): snapshots carry it, restore requires it.
   const std::string& fingerprint() const { return fingerprint_; }
 
-  // One backend serves every session of the model, and a backend is one device queue with shared scratch memory:
-  // each call that uses it (Session::Hold) holds this lock, so calls on different sessions from different threads
-  // run one after the other. Recursive: a Generator's call nests its Session's.
-  std::recursive_mutex& backend_lock() const { return backend_lock_; }
+  std::recursive_mutex& backend_lock() const { return be_->lock; }
   // The device-loop generation (Generator serial) that last used the backend's result slots (Backend::fetch_result):
   // another one's in-flight results are overwritten by it.
   std::atomic<uint64_t>& device_loop_owner() const { return device_loop_owner_; }
 
  private:
-  mutable std::recursive_mutex backend_lock_;
   mutable std::atomic<uint64_t> device_loop_owner_{0};
   Config cfg_;
-  std::unique_ptr<Backend> be_;
+  std::shared_ptr<SharedBackend> be_;
   std::string fingerprint_;
   Weights w_;
 };
@@ -60,16 +67,55 @@ struct SessionConflict : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// The complete recurrent state at one position: KV rows 0..pos-1 of every attention layer, conv and fp32
-// recurrent state of every Gated DeltaNet layer. Host memory; independent of the session that made it.
+// Bytes of a snapshot's state, in the backend's memory where it has room (a snapshot a session made: made and
+// restored by device copies, released under the backend's lock from whichever thread drops it), else in host memory
+// (no room, or read from bytes). Immutable once filled; shared by the copies of a Snapshot.
+class StateMemory {
+ public:
+  // Backend memory of `bytes` if the backend can allocate it, else host memory.
+  StateMemory(std::shared_ptr<SharedBackend> be, size_t bytes);
+  explicit StateMemory(std::vector<uint8_t> host);
+  ~StateMemory();
+  StateMemory(const StateMemory&) = delete;
+  StateMemory& operator=(const StateMemory&) = delete;
+
+  bool on_device() const { return device_ != nullptr; }
+  size_t size() const { return size_; }
+  // The bytes: a backend pointer when on_device(), else a host one.
+  void* data() const { return device_ ? device_ : const_cast<uint8_t*>(host_.data()); }
+  // Copies bytes [at, at + n) to host memory.
+  void read(size_t at, void* dst, size_t n) const;
+
+ private:
+  std::shared_ptr<SharedBackend> be_;
+  void* device_ = nullptr;
+  std::vector<uint8_t> host_;
+  size_t size_ = 0;
+};
+
+// The complete state at one position: the tokens it holds, KV rows 0..pos-1 of every attention layer, conv and fp32
+// recurrent state of every Gated DeltaNet layer, in one StateMemory laid out as
+//   per attention layer: K rows then V rows, [pos, NKV, HD] each (kv_bytes() = 2 · pos · kv_row_bytes)
+//   per GDN layer: conv state [K-1, conv_dim] activations, then recurrent state fp32 [NV, DV, DK].
+// Independent of the session that made it; copies share the memory.
 struct Snapshot {
   int pos = 0;
-  std::string fingerprint;                 // of the model that made it (Model::fingerprint)
-  std::vector<std::vector<uint8_t>> kv;    // per attention layer: K rows then V rows, [pos, NKV, HD] each
-  std::vector<std::vector<uint8_t>> conv;  // per GDN layer: [K-1, conv_dim] activations
-  std::vector<std::vector<uint8_t>> rec;   // per GDN layer: fp32 [NV, DV, DK]
-  size_t nbytes() const;
-  // A self-describing byte string (magic, version, fingerprint, position, every blob with its size) and back.
+  std::string fingerprint;       // of the model that made it (Model::fingerprint)
+  std::vector<int32_t> tokens;   // the pos tokens the state holds
+  size_t kv_row_bytes = 0;       // one KV row of one layer (NKV · HD · activation bytes)
+  size_t conv_bytes = 0, rec_bytes = 0;  // one GDN layer's conv and recurrent state
+  int attn_layers = 0, gdn_layers = 0;
+  std::shared_ptr<const StateMemory> memory;
+
+  size_t kv_bytes() const { return 2 * size_t(pos) * kv_row_bytes; }  // of one attention layer
+  size_t kv_offset(int layer) const { return size_t(layer) * kv_bytes(); }
+  size_t gdn_offset(int layer) const {
+    return size_t(attn_layers) * kv_bytes() + size_t(layer) * (conv_bytes + rec_bytes);
+  }
+  size_t nbytes() const { return memory ? memory->size() : 0; }
+  bool on_device() const { return memory && memory->on_device(); }
+  // A self-describing byte string (magic, version, fingerprint, position, tokens, every layer's state with its size)
+  // and back (host memory).
   std::vector<uint8_t> serialize() const;
   static Snapshot deserialize(const uint8_t* data, size_t n);
 };
@@ -102,6 +148,9 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   int position() const { return pos_; }
+  // The tokens whose effect is in the state, in order: position() of them after every call (the owner of the
+  // conversation's token state; everything else asks here).
+  const std::vector<int32_t>& tokens() const { return tokens_; }
   // Changes whenever the state does (prefill, decode, reset, restore, a generation's set-up): a Generator
   // compares it with the value after its own last step to find out whether the session was changed under it.
   uint64_t epoch() const { return epoch_; }
@@ -127,12 +176,13 @@ class Session {
   void decode_device(const SamplingParams& p, int n_valid, const DeviceSampler& st, uint64_t key);
   int32_t* token_buffer();
 
+  // The state now, in backend memory where there is room (StateMemory); device copies of the used KV rows only.
   Snapshot snapshot() const;
+  // Throws InputError for a snapshot of another model (fingerprint) or geometry, or one that holds too many tokens.
   void restore(const Snapshot& s);
   // Allocates the KV rows of `tokens` more tokens (up to max_context) at once, so that the caches do not grow, and
   // copy, while they fill.
   void reserve(int tokens);
-  // restore() throws InputError for a snapshot of another model (fingerprint) or geometry.
   // Checks that n more tokens fit; throws InputError otherwise.
   void check_room(int n) const;
   // Checks that every id is inside the vocabulary; throws InputError otherwise (before any state changes).
@@ -147,6 +197,9 @@ class Session {
   void mixer_attention(const LayerWeights& L, int T, void* k_cache, void* v_cache, bool device_pos);
   void mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state);
 
+  friend class Generator;  // records the tokens a device decode step fed (token_fed)
+  // A device decode step fed a token the host learns only afterwards: the generator records it here.
+  void token_fed(int32_t token) { tokens_.push_back(token); }
   void changed() { ++epoch_; }
   // After chunk [.., done) of a prefill of `total` tokens: waits for it and runs the hook, unless it was the last.
   void chunk_done(const ChunkHook& hook, int done, int total);
@@ -155,6 +208,7 @@ class Session {
   Backend& be_;
   int max_context_, chunk_;
   std::atomic<int> pos_{0};
+  std::vector<int32_t> tokens_;  // touched by the holder only
   std::atomic<int64_t> processed_{0};
   std::atomic<uint64_t> epoch_{0};
   mutable std::atomic<std::thread::id> holder_{};  // the thread holding the session, or none
@@ -167,8 +221,14 @@ class Session {
   int work_T_ = 0;
   std::vector<void*> work_;
   float* x_ = nullptr;  // the residual stream, fp32 on every backend
-  void *tok_ = nullptr, *a_ = nullptr, *d_ = nullptr, *p0_ = nullptr, *p1_ = nullptr, *p2_ = nullptr,
-       *p3_ = nullptr, *p4_ = nullptr, *p5_ = nullptr;
+  void *tok_ = nullptr, *a_ = nullptr, *d_ = nullptr;
+  // Each holds one thing in an attention layer and another in a GDN layer (the mixers run one at a time):
+  void* qg_x_ = nullptr;         // attention: q and gate [T, NH, 2·HD]; GDN: X [T, conv_dim], then the normed o
+  void* k_z_ = nullptr;          // attention: k [T, NKV·HD]; GDN: z [T, NV·DV]
+  void* v_b_ = nullptr;          // attention: v [T, NKV·HD]; GDN: b [T, NV]
+  void* attn_alpha_ = nullptr;   // attention: its gated output [T, NH·HD]; GDN: α [T, NV]
+  void* conv_out_ = nullptr;     // GDN: C = silu(conv(X)) [T, conv_dim]
+  void* y_ = nullptr;            // GDN: the scan's output [T, NV·DV]
   void* logits_ = nullptr;  // fp32 [logits_rows_, vocab]
   int logits_rows_ = 0;
   int32_t* pos_dev_ = nullptr;  // device copy of pos_ for replayed decode steps

@@ -288,8 +288,13 @@ void init_model(nb::module_& m) {
            "A new empty session (max_context 0: the model's max_position_embeddings; prefill_chunk 0: the "
            "backend's default).");
 
-  nb::class_<Snapshot>(m, "Snapshot", "The complete state of a session at one position (host memory).")
+  nb::class_<Snapshot>(m, "Snapshot",
+                       "The complete state of a session at one position and the tokens it holds; in the backend's "
+                       "memory where it had room (on_device), else in host memory. Copies share it.")
       .def_prop_ro("position", [](const Snapshot& s) { return s.pos; })
+      .def_prop_ro("tokens", [](const Snapshot& s) { return s.tokens; },
+                   "The tokens the state holds (position of them).")
+      .def_prop_ro("on_device", &Snapshot::on_device, "True when the state lives in the backend's memory.")
       .def_prop_ro("fingerprint", [](const Snapshot& s) { return s.fingerprint; },
                    "The fingerprint of the model that made it.")
       .def_prop_ro("nbytes", &Snapshot::nbytes)
@@ -313,6 +318,12 @@ void init_model(nb::module_& m) {
                       "The state of one sequence: KV caches, conv and recurrent states, position. Never shared: a "
                       "call while another thread is inside one raises SessionConflictError.")
       .def_prop_ro("position", &Session::position)
+      .def_prop_ro("tokens",
+                   [](const Session& s) {
+                     Session::Hold hold(s);  // the holder's to change: read while no other thread is inside
+                     return s.tokens();
+                   },
+                   "The tokens whose effect is in the state (position of them), as a new list.")
       .def_prop_ro("epoch", &Session::epoch,
                    "Changes whenever the state does (prefill, decode, reset, restore, a generation's set-up).")
       .def_prop_ro("max_context", &Session::max_context)
@@ -366,15 +377,15 @@ void init_model(nb::module_& m) {
       .def(nb::init<Session&, const SamplingParams&, std::vector<int>, int, int>(), "session"_a, "params"_a,
            "eos_ids"_a, "max_tokens"_a, "n_valid"_a, nb::keep_alive<1, 2>())
       .def("prefill",
-           [](Generator& g, const Tokens& tokens, const Tokens& history, const Progress& progress) {
-             const int n = token_count(tokens), n_history = token_count(history);
+           [](Generator& g, const Tokens& tokens, const Progress& progress) {
+             const int n = token_count(tokens);
              const ChunkHook hook = python_hook(progress);
              nb::gil_scoped_release release;
-             g.prefill(tokens.data(), n, history.data(), n_history, hook);
+             g.prefill(tokens.data(), n, hook);
            },
-           "tokens"_a, "history"_a, "progress"_a = nb::none(),
-           "Feeds the new prompt tokens; `history` (tokens already in the session) counts for penalties. Progress "
-           "and interrupts as Session.prefill(); after an interrupt the generator cannot continue.")
+           "tokens"_a, "progress"_a = nb::none(),
+           "Feeds the new prompt tokens; those already in the session count for penalties. Progress and "
+           "interrupts as Session.prefill(); after an interrupt the generator cannot continue.")
       .def("next",
            [](Generator& g) {
              GenStep s;

@@ -65,13 +65,6 @@ class _StopMatcher:
         return out
 
 
-def _sync_tokens(session: Session, prompt_ids: list[int], generated: list[int]) -> None:
-    """session.tokens ← the tokens the state holds: the prompt and the generated tokens fed so far (the host loop
-    feeds each token when it samples the next; the device loop one step ahead)."""
-    fed = session.core.position - len(prompt_ids)
-    session.tokens.extend(generated[len(session.tokens) - len(prompt_ids):fed])
-
-
 def stream_generate(model: Model, prompt, *, session: Session | None = None, sampling: SamplingParams | None = None,
                     tools: list[dict] | None = None, enable_thinking: bool | None = None,
                     chat_template_kwargs: dict | None = None, progress: Callable[[int, int], object] | None = None,
@@ -97,13 +90,14 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
     messages = list(prompt) if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict) else None
     session = session or model.session()
     model.check_files()
-    # Each block that changes the state and session.tokens holds the session (Session.exclusive); between steps
-    # the session is free, and a change made there by anyone else ends this generation (SessionConflictError).
+    # Each block that changes the state and the session's record of it holds the session (Session.exclusive);
+    # between steps the session is free, and a change made there by anyone else ends this generation
+    # (SessionConflictError).
     with session.exclusive():
         ids = session.continuation(messages, tools, **template_kwargs) if messages else None
-        if ids is None:
+        if ids is None and (messages is not None or isinstance(prompt, str)):
             ids = model.encode_prompt(prompt, tools=tools, **template_kwargs)
-        tokens = as_tokens(ids, "prompt token ids")
+        tokens = as_tokens(prompt if ids is None else ids, "prompt token ids")  # token ids are checked once
         prompt_ids = tokens.tolist()
         if not prompt_ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
@@ -117,10 +111,7 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         session.conversation = None
         if progress is not None:
             progress(0, len(new))
-        try:
-            gen.prefill(tokens[cached:], tokens[:cached], progress=progress)
-        finally:  # all of the prompt, or (interrupted) the chunks done: session.tokens is what the state holds
-            session.tokens = prompt_ids[:session.core.position]
+        gen.prefill(tokens[cached:], progress=progress)  # interrupted: the session holds the chunks done
     prompt_tps = 0.0  # set at the first token: the device loop returns from prefill before the prefill is done
 
     detok = model.tokenizer.detokenizer()
@@ -129,7 +120,7 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
     generated, reply = [], []
 
     def step() -> tuple[GenerationResponse, bool]:
-        """One token, with session.tokens brought up to date with the state; (response, last)."""
+        """One token; (response, last)."""
         nonlocal prompt_tps
         token, logprob, top_ids, top_lps, finish = gen.next()
         if not prompt_tps:  # time to the first token
@@ -143,7 +134,6 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
                                       finish_reason="length", **stats), True
         generated.append(token)
         n += 1
-        _sync_tokens(session, prompt_ids, generated)
         reason = FINISH[finish]
         text, hit = stop.push("" if reason == "stop" else detok.add(token))  # an EOS token adds no text
         if hit:
@@ -161,10 +151,10 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         """Records the conversation the state now holds, the reply so far last, for the next turn."""
         if messages is None:
             return
-        fed = len(session.tokens) - len(prompt_ids)
+        held = session.tokens
         session.conversation = Conversation(
             tuple(messages + [{"role": "assistant", "content": "".join(reply)}]), tools, template_kwargs,
-            np.asarray(session.tokens, dtype=np.int32), returned[-1] if fed < len(returned) else None,
+            np.asarray(held, dtype=np.int32), returned[-1] if len(held) < len(prompt_ids) + len(returned) else None,
             bool(returned) and returned[-1] in model.eos_token_ids)
 
     epoch = session.core.epoch  # the state as this generation's last step left it
@@ -175,7 +165,6 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
                 try:
                     response, last = step()
                 except KeyboardInterrupt:  # maybe between gen.next() and the bookkeeping: the core knows
-                    session.tokens = prompt_ids + gen.tokens[:session.core.position - len(prompt_ids)]
                     remember(gen.tokens)
                     recorded = True
                     raise

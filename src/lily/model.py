@@ -33,9 +33,10 @@ def as_tokens(ids, what: str = "token ids") -> np.ndarray:
             items = list(ids)
         except TypeError:
             raise ValueError(f"{what} must be a sequence of integers, got {type(ids).__name__}") from None
-        for i, t in enumerate(items):
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                raise ValueError(f"{what}[{i}] must be an integer, got {type(t).__name__} {t!r:.40}")
+        if set(map(type, items)) - {int}:  # the usual case, plain ints, needs no look at each item
+            for i, t in enumerate(items):
+                if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                    raise ValueError(f"{what}[{i}] must be an integer, got {type(t).__name__} {t!r:.40}")
         try:
             a = np.array(items, dtype=np.int64)
         except OverflowError:
@@ -175,7 +176,6 @@ class Session:
         max_context = _size_arg("Model.session", "max_context", max_context, model.config["max_position_embeddings"])
         prefill_chunk = _size_arg("Model.session", "prefill_chunk", prefill_chunk, 2**31 - 1)
         self.core: _core.Session = model.core.session(max_context=max_context, prefill_chunk=prefill_chunk)
-        self.tokens: list[int] = []  # tokens whose effect is in the state
         self.conversation: Conversation | None = None  # the chat the state holds, right after its reply
         self._lock = threading.RLock()
 
@@ -193,6 +193,11 @@ class Session:
             self._lock.release()
 
     @property
+    def tokens(self) -> list[int]:
+        """The tokens whose effect is in the state, in order (a copy: the core's session owns them)."""
+        return self.core.tokens
+
+    @property
     def messages(self) -> list[dict] | None:
         """The conversation the state holds, its reply last (None when the state holds no chat reply)."""
         return None if self.conversation is None else list(self.conversation.messages)
@@ -202,7 +207,7 @@ class Session:
         not extend it (or the template cannot render the new messages on their own)."""
         conv = self.conversation
         if conv is None or not conv.extended_by(messages, tools, template_kwargs) or \
-                len(conv.tokens) != len(self.tokens):
+                len(conv.tokens) != self.core.position:
             return None
         found = conv.continuation(self.model.tokenizer, messages)
         return None if found is None else found[0]
@@ -214,38 +219,28 @@ class Session:
     def reuse(self, prompt: list[int]) -> int:
         """Prepares the state for `prompt`; returns how many of its tokens are already in the state."""
         with self.exclusive():
-            n = len(self.tokens)
-            if 0 < n < len(prompt) and prompt[:n] == self.tokens and self.core.position == n:
-                return n
+            held = self.core.tokens
+            if 0 < len(held) < len(prompt) and prompt[:len(held)] == held:
+                return len(held)
             self.reset()
             return 0
 
     def reset(self) -> None:
         with self.exclusive():
             self.core.reset()
-            self.tokens = []
             self.conversation = None
 
-    def snapshot(self) -> tuple[_core.Snapshot, list[int]]:
-        """(the state, the tokens it holds), for restore(); the snapshot carries the model's fingerprint."""
+    def snapshot(self) -> _core.Snapshot:
+        """The state and the tokens it holds (Snapshot.tokens), for restore(); it carries the model's fingerprint.
+        It lives in the backend's memory where there is room: a device copy of the used state, no host round trip."""
         with self.exclusive():
-            return self.core.snapshot(), list(self.tokens)
+            return self.core.snapshot()
 
-    def restore(self, snap: tuple[_core.Snapshot, list[int]]) -> None:
-        """Restores a (snapshot, tokens) pair from snapshot() or a PrefixCache. ValueError, with the session
-        unchanged, for a snapshot of another model, or tokens that are not the snapshot's (their count must be
-        its position)."""
-        state, tokens = snap
-        tokens = as_tokens(tokens, "restore: tokens")
-        if len(tokens) != state.position:
-            raise ValueError(f"restore: the snapshot holds {state.position} tokens, but {len(tokens)} tokens were "
-                             "given with it")
-        if tokens.size and tokens.max() >= self.model.vocab_size:
-            raise ValueError(f"restore: token id {int(tokens.max())} is outside the vocabulary "
-                             f"[0, {self.model.vocab_size})")
+    def restore(self, snapshot: _core.Snapshot) -> None:
+        """Restores a snapshot from snapshot() or a PrefixCache, with its tokens. ValueError, with the session
+        unchanged, for a snapshot of another model or geometry, or more tokens than the session's context."""
         with self.exclusive():
-            self.core.restore(state)
-            self.tokens = tokens.tolist()
+            self.core.restore(snapshot)
             self.conversation = None
 
     def prefill(self, token_ids, progress: Callable[[int, int], object] | None = None) -> np.ndarray:
@@ -275,9 +270,7 @@ class Session:
                     progress(len(tokens), len(tokens))
                 return out
             finally:
-                fed = self.core.position - before  # all of them, or the chunks done before an interrupt
-                if fed:
-                    self.tokens.extend(tokens[:fed].tolist())
+                if self.core.position != before:  # all of them, or the chunks done before an interrupt
                     self.conversation = None
 
     def generate(self, prompt, **kwargs) -> str:

@@ -107,10 +107,10 @@ class PrefixCache:
         with self._lock:
             return sum(e.path is not None for e in self._entries.values())
 
-    def lookup(self, tokens: Sequence[int], longer_than: int = 0) -> tuple[_core.Snapshot, list[int]] | None:
-        """The snapshot of the longest cached prefix strictly shorter than `tokens` (at least one token is
-        left to prefill) and longer than `longer_than`, as (snapshot, its tokens) for Session.restore; None if
-        there is none. Every cached prefix of `tokens` counts as used."""
+    def lookup(self, tokens: Sequence[int], longer_than: int = 0) -> _core.Snapshot | None:
+        """The snapshot (for Session.restore; it holds its tokens) of the longest cached prefix strictly shorter than
+        `tokens` (at least one token is left to prefill) and longer than `longer_than`; None if there is none.
+        Every cached prefix of `tokens` counts as used."""
         t = np.asarray(tokens, dtype=np.int32)
         with self._lock:
             while True:
@@ -126,14 +126,11 @@ class PrefixCache:
                 snapshot = best.snapshot if best.snapshot is not None else self._load(best)
                 if snapshot is not None:
                     self.hits += 1
-                    return snapshot, best.tokens.tolist()
+                    return snapshot
 
-    def insert(self, tokens: Sequence[int], snapshot: _core.Snapshot) -> None:
-        """Caches `snapshot` as the state after `tokens` (the caller guarantees they match)."""
-        t = np.array(tokens, dtype=np.int32)
-        if snapshot.position != len(t):
-            raise ValueError(f"PrefixCache.insert: the snapshot holds {snapshot.position} tokens, "
-                             f"but {len(t)} tokens were given")
+    def insert(self, snapshot: _core.Snapshot) -> None:
+        """Caches `snapshot` as the state after the tokens it holds."""
+        t = np.array(snapshot.tokens, dtype=np.int32)
         key = self._key(t)
         with self._lock:
             e = self._entries.get(key)
@@ -231,8 +228,9 @@ class PrefixCache:
                 snapshot = _core.Snapshot.from_bytes(payload)
             except ValueError as err:
                 raise CorruptFile(str(err)) from err
-            if snapshot.position != len(tokens):
-                raise CorruptFile(f"the snapshot holds {snapshot.position} tokens, the header {len(tokens)}")
+            if not np.array_equal(np.asarray(snapshot.tokens, dtype=np.int32), tokens):
+                raise CorruptFile(f"the snapshot holds other tokens than the header ({snapshot.position} against "
+                                  f"{len(tokens)})")
             os.utime(e.path)
         except Exception as err:  # a bad file is a cache miss, never a failed request
             log.warning("prefix cache: skipping %s: %s", e.path, _reason(err))

@@ -198,7 +198,7 @@ def test_any_change_between_steps_ends_a_generation(endless_model, prompt, chang
         session.core.prefill(np.array([5], np.int32))
     else:
         other = _core.Generator(session.core, lily.SamplingParams().to_core(), [], 4, endless_model.n_valid)
-        other.prefill(np.array([7], np.int32), np.array(session.tokens, np.int32))
+        other.prefill(np.array([7], np.int32))
     with pytest.raises(lily.SessionConflictError):
         next(stream)
     # The session is usable, and a new generation on it is right.
@@ -209,9 +209,9 @@ def test_any_change_between_steps_ends_a_generation(endless_model, prompt, chang
 def test_a_generator_runs_one_prompt(tiny_model, prompt):
     s = tiny_model.core.session(max_context=64)
     gen = _core.Generator(s, lily.SamplingParams(temperature=0.0).to_core(), [], 4, tiny_model.n_valid)
-    gen.prefill(np.array(prompt, np.int32), np.zeros(0, np.int32))
+    gen.prefill(np.array(prompt, np.int32))
     with pytest.raises(ValueError, match="already called"):
-        gen.prefill(np.array(prompt, np.int32), np.zeros(0, np.int32))
+        gen.prefill(np.array(prompt, np.int32))
 
 
 # -- the model owns what it reads ----------------------------------------------------------------------------
@@ -343,8 +343,8 @@ def test_swapped_weights_with_the_same_size_and_mtime_never_restore_old_state(mo
     cache = PrefixCache(1 << 30, fingerprint=model_fingerprint(old), cache_dir=cache_dir)
     session = old.session()
     session.prefill(prompt)
-    snapshot, tokens = session.snapshot()
-    cache.insert(tokens, snapshot)
+    snapshot = session.snapshot()
+    cache.insert(snapshot)
     cache.close()
 
     _overwrite_in_place(model_dir / SHARD, _other_weights(tmp_path))  # same size, mtime kept
@@ -357,7 +357,7 @@ def test_swapped_weights_with_the_same_size_and_mtime_never_restore_old_state(mo
     assert swapped.lookup(prompt + [1]) is None
     swapped.close()
     with pytest.raises(ValueError, match="snapshot was made by another model"):
-        new.session().restore((snapshot, prompt))
+        new.session().restore(snapshot)
 
 
 def test_the_fingerprint_does_not_depend_on_where_or_when_the_file_was_written(good_dir, tmp_path):
@@ -380,16 +380,29 @@ def test_restore_refuses_a_snapshot_of_another_model_of_the_same_shape(tiny_mode
     assert target.core.position == 3 and target.tokens == prompt[:3]  # unchanged
 
 
-@pytest.mark.parametrize("edit", ["shorter", "longer", "floats"])
-def test_restore_refuses_tokens_that_are_not_the_snapshots(tiny_model, prompt, edit):
+@pytest.mark.parametrize("edit", ["position", "token"])
+def test_a_snapshot_carries_its_tokens_and_bad_ones_are_refused(tiny_model, prompt, edit):
+    """The tokens a state holds travel with it (a restore cannot be given other ones, as it once could: a list that
+    did not match the snapshot's position was taken); bytes whose position disagrees with their tokens, or whose
+    tokens are outside the vocabulary, are refused and the session is unchanged."""
     s = tiny_model.session()
     s.prefill(prompt)
-    snap, tokens = s.snapshot()
-    bad = {"shorter": tokens[:-1], "longer": tokens + [1], "floats": [float(t) for t in tokens]}[edit]
-    s.prefill([3])
-    with pytest.raises(ValueError, match="restore: "):
-        s.restore((snap, bad))
-    assert s.core.position == len(prompt) + 1 and s.tokens == prompt + [3]  # unchanged
+    snap = s.snapshot()
+    assert snap.tokens == prompt and snap.position == len(prompt)
+    data = bytearray(snap.to_bytes())
+    (fp_len,) = struct.unpack_from("<I", data, 12)
+    at = 16 + fp_len  # the position, then the tokens
+    if edit == "position":
+        struct.pack_into("<i", data, at, len(prompt) - 1)
+        with pytest.raises(ValueError, match="snapshot data is corrupt"):
+            _core.Snapshot.from_bytes(bytes(data))
+    else:
+        struct.pack_into("<i", data, at + 4, tiny_model.vocab_size)
+        bad = _core.Snapshot.from_bytes(bytes(data))
+        s.prefill([3])
+        with pytest.raises(ValueError, match=f"token id {tiny_model.vocab_size} at index 0 is outside the vocabulary"):
+            s.restore(bad)
+        assert s.core.position == len(prompt) + 1 and s.tokens == prompt + [3]  # unchanged
 
 
 def test_snapshot_bytes_carry_the_fingerprint_and_old_versions_are_refused(tiny_model, prompt):
@@ -402,6 +415,9 @@ def test_snapshot_bytes_carry_the_fingerprint_and_old_versions_are_refused(tiny_
     version1 = data[:8] + struct.pack("<I", 1) + data[16 + fp_len:]  # the layout before the fingerprint
     with pytest.raises(ValueError, match="version 1 is no longer supported"):
         _core.Snapshot.from_bytes(version1)
+    version2 = data[:8] + struct.pack("<I", 2) + data[12:]  # before the tokens
+    with pytest.raises(ValueError, match="version 2 is no longer supported"):
+        _core.Snapshot.from_bytes(version2)
 
 
 # -- session sizes ------------------------------------------------------------------------------------------------

@@ -79,12 +79,12 @@ def _state(model, n: int, seed: int):
 
 def _good_file(model, directory: Path, n: int = 6, seed: int = 1) -> tuple[Path, list[int]]:
     """A valid cache file for fingerprint FP in `directory`, and its tokens."""
-    snap, tokens = _state(model, n, seed)
+    snap = _state(model, n, seed)
     cache = PrefixCache(0, fingerprint=FP, cache_dir=directory)
-    cache.insert(tokens, snap)
+    cache.insert(snap)
     cache.close()
     (path,) = [p for p in directory.glob("*" + SUFFIX) if p.stat().st_size]
-    return path, tokens
+    return path, snap.tokens
 
 
 def _file_with_header(header: bytes, rest: bytes = b"") -> bytes:
@@ -124,7 +124,7 @@ def test_a_fifo_in_the_cache_dir_does_not_block_start_up(tiny_model, tmp_path, c
         pytest.fail("the cache start-up blocked on a FIFO")
     assert "error" not in result, result
     cache = result["cache"]
-    assert cache.disk_entries == 1 and cache.lookup(tokens + [1])[1] == tokens
+    assert cache.disk_entries == 1 and cache.lookup(tokens + [1]).tokens == tokens
     assert [w for w in _warnings(caplog) if "fifo" in w] == [f"prefix cache: skipping {fifo}: not a regular file "
                                                             f"(mode {stat.filemode(os.stat(fifo).st_mode)})"]
     cache.close()
@@ -137,7 +137,7 @@ def test_a_header_nested_60000_deep_is_skipped_with_one_warning(tiny_model, tmp_
     caplog.set_level(logging.WARNING, logger="lily.prefix_cache")
     cache = PrefixCache(1 << 30, fingerprint=FP, cache_dir=tmp_path)
     assert _warnings(caplog) == [f"prefix cache: skipping {deep}: unreadable header: nested too deeply"]
-    assert cache.lookup(tokens + [1])[1] == tokens
+    assert cache.lookup(tokens + [1]).tokens == tokens
     cache.close()
 
 
@@ -165,7 +165,7 @@ def test_entries_that_are_not_regular_files_are_skipped_unopened(tiny_model, tmp
         ["a-directory", "dangling", "to-a-device", "to-a-directory", "to-a-fifo"]
     assert all("not a regular file" in why or "No such file" in why for name, why in skipped
                if name not in duplicate), skipped
-    assert cache.disk_entries == 1 and cache.lookup(tokens + [1])[1] == tokens
+    assert cache.disk_entries == 1 and cache.lookup(tokens + [1]).tokens == tokens
     cache.close()
 
 
@@ -187,7 +187,7 @@ def test_absurd_headers_are_skipped_with_one_warning(tiny_model, tmp_path, caplo
     cache = PrefixCache(1 << 30, fingerprint=FP, cache_dir=tmp_path)
     (warning,) = _warnings(caplog)
     assert warning.startswith(f"prefix cache: skipping {bad}: {why}") and len(warning) < 400, warning
-    assert cache.disk_entries == 1 and cache.lookup(tokens + [1])[1] == tokens
+    assert cache.disk_entries == 1 and cache.lookup(tokens + [1]).tokens == tokens
     cache.close()
 
 
@@ -206,7 +206,7 @@ def test_an_unexpected_error_reading_one_file_skips_only_that_file(tiny_model, t
     caplog.set_level(logging.WARNING, logger="lily.prefix_cache")
     cache = PrefixCache(1 << 30, fingerprint=FP, cache_dir=tmp_path)
     assert _warnings(caplog) == [f"prefix cache: skipping {odd}: MemoryError: simulated"]
-    assert cache.lookup(tokens + [1])[1] == tokens
+    assert cache.lookup(tokens + [1]).tokens == tokens
     cache.close()
 
 
@@ -240,7 +240,7 @@ def test_fuzz_damaged_cache_files_are_skipped_or_restored_exactly(tiny_model, tm
         cache = PrefixCache(1 << 30, fingerprint=FP, cache_dir=directory)
         try:
             hit = cache.lookup(tokens + [1])
-            assert hit is None or hit[1] == tokens
+            assert hit is None or hit.tokens == tokens
         finally:
             cache.close()
 
@@ -258,7 +258,7 @@ def test_copies_of_one_file_are_indexed_once(tiny_model, tmp_path, caplog):
     size = good.stat().st_size
     cache = PrefixCache(1 << 30, fingerprint=FP, cache_dir=tmp_path, max_disk_bytes=3 * size // 2)
     assert _warnings(caplog) == [f"prefix cache: skipping {copy}: the same prefix as {good}"]
-    assert (cache.disk_entries, cache.disk_bytes) == (1, size) and cache.lookup(tokens + [1])[1] == tokens
+    assert (cache.disk_entries, cache.disk_bytes) == (1, size) and cache.lookup(tokens + [1]).tokens == tokens
     cache.close()
     # A budget below one file: the indexed one is dropped; the copy never counted, so nothing is left to drop.
     caplog.clear()
@@ -459,9 +459,9 @@ class CheckedScript(Script):
     """A Script whose model says `reply`, after building the core sampler from the request's settings as the real
     generator does (so settings the core would refuse fail here too)."""
 
-    def __call__(self, model, prompt_ids, *, session, sampling):
+    def __call__(self, model, prompt_ids, *, session, sampling, progress=None):
         _core.Sampler(sampling.to_core(), model.vocab_size, model.n_valid)
-        return super().__call__(model, prompt_ids, session=session, sampling=sampling)
+        return super().__call__(model, prompt_ids, session=session, sampling=sampling, progress=progress)
 
 
 @pytest.fixture(scope="module")
@@ -513,8 +513,8 @@ def _deep_schema(n: int) -> dict:
 BAD = "/v1/chat/completions"
 HOSTILE_REQUESTS = [
     # (id, route, body, the field the error must name)
-    ("json-1000-deep", BAD, b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", None),
-    ("json-100000-deep", BAD, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+    ("json-1000-deep", BAD, b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", "messages"),
+    ("json-100000-deep", BAD, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "messages"),
     ("json-deeper-than-the-limit", BAD, b'{"messages": ' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}",
      "messages[0]"),
     ("tool-schema-300-deep", BAD, _chat(tools=[_deep_schema(300)]), "tools[0]"),
@@ -765,6 +765,41 @@ def test_a_prompt_surely_too_long_is_refused_before_it_is_tokenised(counted_serv
     assert not [n for n in encoded if n >= len(text)], "the worker tokenised it"
     assert took < 10, took
     _still_serving(server.port)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_tokenising_a_long_prompt_holds_up_no_other_request(new_tiny_model, route):
+    """A prompt whose length only its tokens tell (the early bound lets it pass) is tokenised in its request's own
+    thread, not by the engine's worker: a short request sent meanwhile is answered first. (A 16 MB prompt held the
+    worker for ~20 s before it was refused.)"""
+    model = new_tiny_model()
+    started, release = threading.Event(), threading.Event()
+    encode = model.tokenizer.encode
+
+    def slow(text):  # stands for the seconds a long text takes
+        if len(text) > 100_000:
+            started.set()
+            release.wait(60)
+        return encode(text)
+
+    model.tokenizer.encode = slow
+    server = LiveServer(Engine(model, max_context=150_000, generate_fn=Script(lambda prompt: "ok")))
+    text = "x" * 200_000  # 200,000 tokens (one a character), at least 200,000 / the longest token's bytes
+    body = {"messages": [{"role": "user", "content": text}]} if route.endswith("chat/completions") else {
+        "prompt": text}
+    long = {}
+    sender = threading.Thread(target=lambda: long.update(answer=_post(server.port, route, body)))
+    try:
+        sender.start()
+        assert started.wait(30)
+        assert _post(server.port, "/v1/completions", {"prompt": "hi", "max_tokens": 1})[0] == 200
+        assert not long, "the long prompt was answered first"
+    finally:
+        release.set()
+        sender.join(60)
+        server.close()
+    status, err = long["answer"]
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
 
 
 def test_fuzz_min_tokens_is_a_lower_bound(tiny_model):

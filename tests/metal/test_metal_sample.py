@@ -5,8 +5,8 @@ The tiny model's decode loop runs on the "metal" backend with device selection (
 picks each token, records it in the penalty state and advances the draw counter). A second session of the same
 model then replays the chosen tokens to recover the logits each selection saw, and a host Sampler given the same
 prompt and history must choose the same token at every step (same rules, same counter-based draw), with the same
-logprob. The history (ids that count for the repetition penalty only) is the prompt's most likely next tokens, so
-that a penalty the kernel got wrong changes the choice. The vocabulary (4096, of which the first N_VALID may be
+logprob. The history (ids already in the session before the prompt, which count for the penalties) is the prompt's
+most likely next tokens, so that a penalty the kernel got wrong changes the choice. The vocabulary (4096, of which the first N_VALID may be
 chosen) is larger than the kernel's 1024 threads, so each thread scans several ids and the top-k radix selection
 and the ordered compaction run as at the real vocabulary. Every configuration runs in every thread order, and in the
 ASan/UBSan build (test_asan.py).
@@ -56,14 +56,18 @@ def test_device_selection_matches_host_sampler(core, model, monkeypatch, name, t
     rng = np.random.default_rng(seed)
     params = dict(sampling, seed=seed)  # all 64 bits of the draw's seed in play
     prompt = rng.integers(0, N_VALID, PROMPT_LEN).astype(np.int32)
-    replay = model.session(max_context=64)
-    logits = replay.prefill(prompt)
-    history = np.argsort(-logits[:N_VALID], kind="stable")[:HISTORY_LEN].astype(np.int32)
+    likely = model.session(max_context=64).prefill(prompt)
+    history = np.argsort(-likely[:N_VALID], kind="stable")[:HISTORY_LEN].astype(np.int32)
     print(f"order {order}, params {params}, prompt {prompt.tolist()}, history {history.tolist()}")
+    replay = model.session(max_context=64)
+    replay.prefill(history)
+    logits = replay.prefill(prompt)
 
-    gen = core.Generator(model.session(max_context=64), core.SamplingParams(**params), [], STEPS, N_VALID)
+    session = model.session(max_context=64)
+    session.prefill(history)  # already in the session: they count for the penalties
+    gen = core.Generator(session, core.SamplingParams(**params), [], STEPS, N_VALID)
     assert gen.on_device, f"{name}: the metal backend should select these tokens on the device"
-    gen.prefill(prompt, history)
+    gen.prefill(prompt)
     before = core.testing.metal_kernels()["sample"]
     steps = [gen.next()[:2] for _ in range(STEPS)]  # (token, logprob)
     assert core.testing.metal_kernels()["sample"] - before >= STEPS - 1, "the sample kernel did not pick the tokens"
@@ -99,10 +103,10 @@ def test_a_device_loop_continued_after_another_one_ran_is_refused(core, model, w
     other's tokens, and the other one is right."""
     rng = np.random.default_rng(secrets.randbits(64))
     first, second = (rng.integers(0, N_VALID, PROMPT_LEN).astype(np.int32) for _ in range(2))
-    params, none = core.SamplingParams(temperature=0.0), np.zeros(0, np.int32)
+    params = core.SamplingParams(temperature=0.0)
 
     def tokens(gen, prompt, n):
-        gen.prefill(prompt, none)
+        gen.prefill(prompt)
         return [gen.next()[0] for _ in range(n)]
 
     want = tokens(core.Generator(model.session(max_context=64), params, [], STEPS, N_VALID), second, STEPS)

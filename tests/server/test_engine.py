@@ -43,6 +43,17 @@ def test_second_turn_prefills_only_its_new_tokens(server, client, tiny_model):
     assert work == (second.usage.prompt_tokens - cached) + second.usage.completion_tokens - 1
 
 
+def test_a_new_conversation_starts_from_another_ones_opening_turn(server, client, tiny_model):
+    """The opening turn (the system prompt, with the tools an agent's sessions share) is snapshotted on the way: a
+    second conversation with the same system prompt prefills only its own messages."""
+    system = {"role": "system", "content": words(40)}
+    client.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": words()}],
+                                   max_tokens=2, extra_body=NO_THINKING)
+    second = [system, {"role": "user", "content": words()}]
+    r = client.chat.completions.create(model="tiny", messages=second, max_tokens=2, extra_body=NO_THINKING)
+    assert r.usage.prompt_tokens_details.cached_tokens == prefix_tokens(tiny_model, [system]) > 40
+
+
 def _start_cli_server(cache_dir: Path) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--model", "tiny", "--port", "0",
                              "--max-context", str(MAX_CONTEXT), "--cache-dir", str(cache_dir),
@@ -119,7 +130,7 @@ def test_a_turn_that_extends_the_reply_continues_from_the_state_after_it(new_tin
 
 
 def test_a_failed_generation_leaves_a_consistent_state(server, client, script):
-    def broken(model, prompt_ids, *, session, sampling):
+    def broken(model, prompt_ids, *, session, sampling, progress=None):
         session.reuse(prompt_ids)
         session.core.prefill(lily.model.as_tokens(prompt_ids[len(session.tokens):]))  # state moves, tokens do not
         raise RuntimeError("backend failure")

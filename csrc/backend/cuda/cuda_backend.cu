@@ -77,6 +77,11 @@ class CudaBackend final : public Backend {
     forget_replays();  // a recorded unit may point into the buffer
     LILY_CUDA_CHECK(cudaFree(p));
   }
+  void release_state(void* p) override {  // no recorded unit reads snapshot memory: keep them
+    if (!p) return;
+    mem_.remove(p);
+    if (cudaFree(p) != cudaSuccess) cudaGetLastError();  // at exit the runtime may be gone: nothing left to free
+  }
   const void* weight(const void* host, size_t bytes) override {
     void* p = alloc(bytes);
     LILY_CUDA_CHECK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));

@@ -1,6 +1,7 @@
-"""The HTTP app (`lily serve`): one Starlette app over one `Engine`, with the routes of each API (openai.py) and
-the shared ones (GET /v1/models, /health, /metrics); what every route shares (authentication, the body read
-within bounds, metrics per endpoint, a job started and cancelled when its client goes away, an event stream)
+"""The HTTP app (`lily serve`): one Starlette app over one `Engine`, with the routes of each API (openai.py,
+responses.py, anthropic.py) and the shared ones (GET /v1/models, /health, /metrics); what every route shares
+(authentication, the body read within bounds, metrics per endpoint, a chat started as a job — continued from the
+engine's saved state where it extends a conversation — and cancelled when its client goes away, an event stream)
 is `Server`."""
 from __future__ import annotations
 
@@ -131,11 +132,11 @@ class Server:
             if found:
                 self.engine.check_prompt_length(len(found[0]), param)
                 return lambda m: Prompt(*found)
-            text = render_conversation(model, messages, tools, template_kwargs)
-            self.engine.check_prompt_text(text, param)
-            return lambda m: Prompt(m.tokenizer.encode(text), text)
+            text = render_conversation(model, messages, tools, template_kwargs, param)
+            ids = self.engine.tokenize(text, param)
+            return lambda m: Prompt(ids, text)
 
-        prompt_fn = await asyncio.to_thread(render)  # a long conversation renders off the event loop and the worker
+        prompt_fn = await asyncio.to_thread(render)  # renders and tokenises off the event loop and the worker
         job = Job(prompt_fn, sampling, param)
         job.chat = (messages, tools, template_kwargs)
         prompt, watcher = await self.start(request, job)

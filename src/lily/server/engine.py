@@ -1,9 +1,10 @@
 """The engine: the model, its one session and the prefix cache, driven by a worker thread that serves requests
 (`Job`s) one at a time in arrival order, whatever API they came by. A request whose client goes away is cancelled
-between tokens. Before each prompt the engine restores the longest cached prefix of it (the live session state or
-a `PrefixCache` snapshot), prefills the rest in chunks, and snapshots the state at every turn end (`<|im_end|>\\n`)
-inside the prompt and after the reply, so that a conversation re-sent with one more turn prefills only that turn.
-Also the counters behind /metrics."""
+between tokens (and between the chunks of a long prefill). Before each prompt the engine restores the longest saved
+prefix of it (the live session state or a `PrefixCache` snapshot; a new conversation's opening turn, up to its first
+`<|im_end|>\\n`, is snapshotted on the way), then lets the generation prefill the rest in one call. After the reply
+it snapshots again: a conversation continued with one more turn (Conversations) prefills only that turn. Also the
+counters behind /metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -26,9 +27,9 @@ from lily.server.protocol import RequestError, Sampling
 
 log = logging.getLogger(__name__)
 
-# Turn ends snapshotted per request: the last few past the restored prefix. Later turns of the conversation
-# start from one of them (or from the snapshot after the reply); earlier ones were cached by earlier requests.
-TURN_SNAPSHOTS = 4
+
+class _Cancelled(Exception):
+    """Raised between prefill chunks when the job's client went away or the server is closing."""
 
 
 @dataclass
@@ -106,8 +107,8 @@ GenerateFn = Callable[..., Iterator[GenerationResponse]]
 
 class Engine:
     """The model, its one session and the prefix cache, driven by a worker thread that serves jobs one at a
-    time in arrival order. `generate_fn(model, prompt_ids, session=, sampling=)` yields GenerationResponses
-    (lily.stream_generate; tests inject scripted generators through it)."""
+    time in arrival order. `generate_fn(model, prompt_ids, session=, sampling=, progress=)` yields
+    GenerationResponses (lily.stream_generate; tests inject scripted generators through it)."""
 
     def __init__(self, model: Model, *, max_context: int | None = None, cache: PrefixCache | None = None,
                  generate_fn: GenerateFn = stream_generate):
@@ -193,9 +194,18 @@ class Engine:
 
     def check_prompt_text(self, text: str, param: str) -> None:
         """Refuses a prompt text that surely has too many tokens, without tokenising it (Tokenizer.min_tokens: a
-        linear-time lower bound), so that an absurdly long prompt never reaches the worker. Thread-safe."""
-        if len(text) >= self.max_context:  # shorter texts are checked exactly, by the worker
+        linear-time lower bound). Thread-safe."""
+        if len(text) >= self.max_context:  # shorter texts are checked exactly once tokenised
             self.check_prompt_length(self.model.tokenizer.min_tokens(text), param, at_least=True)
+
+    def tokenize(self, text: str, param: str) -> list[int]:
+        """The ids of a prompt text, refused if there is no room to generate after them. Run off the event loop and
+        off the worker (a request's handler thread: a long text tokenises with the GIL released), so that no
+        prompt, however long, holds up other requests before it is refused. Thread-safe."""
+        self.check_prompt_text(text, param)
+        ids = self.model.tokenizer.encode(text)
+        self.check_prompt_length(len(ids), param)
+        return ids
 
     def _serve(self, job: Job) -> None:
         try:
@@ -210,14 +220,16 @@ class Engine:
         params = job.sampling.build(self.model, self.max_context - n)
         job.emit("accepted", prompt)
         t0 = time.perf_counter()
-        cached = self._prepare(prompt.ids, job)
-        if cached is None:
+        try:
+            cached = self._prepare(prompt.ids, job)
+        except _Cancelled:
             self._cancelled(job)
             return
         t_first = t_end = None
         last: GenerationResponse | None = None
         generated = []
-        stream = self.generate_fn(self.model, prompt.ids, session=self.session, sampling=params)
+        stream = self.generate_fn(self.model, prompt.ids, session=self.session, sampling=params,
+                                  progress=self._watch(job))
         try:
             for r in stream:
                 t_end = time.perf_counter()
@@ -228,6 +240,8 @@ class Engine:
                 if r.token >= 0:
                     generated.append(r.token)
                 job.emit("token", r)
+        except _Cancelled:  # during the generation's prefill
+            pass
         finally:
             stream.close()
         if last is None or last.finish_reason is None:
@@ -242,48 +256,56 @@ class Engine:
         job.emit("done", usage)
         self._remember()  # the state after the reply: the next turn may extend it
 
-    def _turn_ends(self, ids: list[int]) -> list[int]:
-        """Positions just after each `<|im_end|>\\n` in `ids`: where a chat turn ends."""
+    def _first_turn_end(self, ids: list[int]) -> int:
+        """The position just after the first `<|im_end|>\\n` in `ids` (where a chat's opening turn ends), or len(ids)
+        if there is none. Looks no further than that turn."""
         im_end, nl = self._turn_end
-        if im_end is None or len(ids) < 2:
-            return []
-        a = np.asarray(ids)
-        if nl is None:
-            return (np.nonzero(a == im_end)[0] + 1).tolist()
-        return (np.nonzero((a[:-1] == im_end) & (a[1:] == nl))[0] + 2).tolist()
+        start = 0
+        while im_end is not None:
+            try:
+                at = ids.index(im_end, start)
+            except ValueError:
+                break
+            if nl is None:
+                return at + 1
+            if at + 1 < len(ids) and ids[at + 1] == nl:
+                return at + 2
+            start = at + 1
+        return len(ids)
 
-    def _prepare(self, ids: list[int], job: Job) -> int | None:
-        """Brings the session to ids[:-1]: from the longest saved prefix (the live state or a cached snapshot),
-        prefilling the rest in chunks and snapshotting at the last TURN_SNAPSHOTS turn ends. Returns how many
-        tokens came from saved state, or None if the job was cancelled meanwhile."""
+    def _watch(self, job: Job) -> Callable[[int, int], None]:
+        """A prefill progress callback that stops the prefill (_Cancelled) once the job is cancelled."""
+        def check(done: int, total: int) -> None:
+            if self._closing or job.cancelled.is_set():
+                raise _Cancelled
+        return check
+
+    def _prepare(self, ids: list[int], job: Job) -> int:
+        """Brings the session to the longest saved prefix of `ids` (the live state or a cached snapshot). If that
+        does not reach the end of the prompt's first turn (a new conversation: its system prompt and tools, which
+        other conversations and agents' sub-sessions often share), feeds up to there and snapshots it. The
+        generation prefills the rest in one call, so a continued conversation's turn is one forward pass over its
+        new tokens, as the engine's own. Returns how many tokens came from saved state; _Cancelled if the job is
+        cancelled meanwhile."""
         s, n = self.session, len(ids)
-        held = len(s.tokens)
-        live = held if 0 < held < n and s.tokens == ids[:held] else 0
+        held = s.tokens
+        live = len(held) if 0 < len(held) < n and held == ids[:len(held)] else 0
         hit = self.cache.lookup(ids, longer_than=live) if self.cache is not None else None
         if hit is not None:
             s.restore(hit)
         elif live == 0:
             s.reset()
-        cached = pos = len(s.tokens)
-        turn_ends = set([b for b in self._turn_ends(ids) if pos < b < n][-TURN_SNAPSHOTS:])
-        chunk = s.core.prefill_chunk
-        for end in sorted(turn_ends | {n - 1}):
-            while pos < end:
-                if self._closing or job.cancelled.is_set():
-                    return None
-                step = min(end, pos + chunk)
-                s.feed(ids[pos:step])  # no logits: nobody reads them (the generation prefills the last token)
-                pos = step
-            if end in turn_ends:
-                self._remember()
+        cached = s.core.position
+        opening = self._first_turn_end(ids)
+        if self.cache is not None and cached < opening < n:
+            s.feed(ids[cached:opening], progress=self._watch(job))  # no logits: nobody reads them
+            self._remember()
         return cached
 
     def _remember(self) -> None:
-        """Caches a snapshot of the session, keyed by its tokens, if they match its state."""
-        s = self.session
-        if self.cache is not None and s.tokens and s.core.position == len(s.tokens):
-            snapshot, tokens = s.snapshot()
-            self.cache.insert(tokens, snapshot)
+        """Caches a snapshot of the session (keyed by the tokens it holds)."""
+        if self.cache is not None and self.session.core.position:
+            self.cache.insert(self.session.snapshot())
 
     def _settle(self) -> None:
         """After any request: a session whose tokens do not describe its state (a failure mid-step) starts over."""

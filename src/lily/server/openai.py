@@ -267,9 +267,9 @@ class OpenAI:
     async def completions(self, request):
         model = self.srv.engine.model
         req = parse_completion_request(await self.srv.body(request), model)
-        if isinstance(req.prompt, str):
-            await asyncio.to_thread(self.srv.engine.check_prompt_text, req.prompt, "prompt")
-            job = Job(lambda m: Prompt(m.tokenizer.encode(req.prompt), req.prompt), req.sampling, "prompt")
+        if isinstance(req.prompt, str):  # tokenised off the event loop and the worker
+            ids = await asyncio.to_thread(self.srv.engine.tokenize, req.prompt, "prompt")
+            job = Job(lambda m: Prompt(ids, req.prompt), req.sampling, "prompt")
         else:
             job = Job(lambda m: Prompt(list(req.prompt), m.tokenizer.decode(req.prompt)), req.sampling, "prompt")
         prompt, watcher = await self.srv.start(request, job)

@@ -76,8 +76,10 @@ def parse_body(data: bytes) -> dict:
     try:
         body = json.loads(text, parse_constant=reject_constant)
     except RecursionError:
-        raise RequestError(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep") \
-            from None
+        name = _too_deep_field(text)
+        where = f"'{name}'" if name is not None else "the request body"
+        raise RequestError(f"{where} nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+                           param=name) from None
     except ValueError as e:
         reason = "a number has more digits than this server reads (4300)" if "integer string" in str(e) else e
         raise RequestError(f"the request body is not valid JSON: {reason}") from e
@@ -87,6 +89,33 @@ def parse_body(data: bytes) -> dict:
     if _nested_too_deep(data) or _SURROGATE_ESCAPE.search(data):
         check_json_value(body, "")
     return body
+
+
+def _too_deep_field(text: str) -> str | None:
+    """The top-level field of a JSON object whose value is nested too deeply for json to read (RecursionError),
+    found by reading the object one field at a time; None if `text` is no object or no one field is."""
+    decoder, ws = json.JSONDecoder(), re.compile(r"[ \t\n\r]*")
+    i = ws.match(text).end()
+    if not text.startswith("{", i):
+        return None
+    i += 1
+    try:
+        while True:
+            i = ws.match(text, i).end()
+            key, i = decoder.raw_decode(text, i)
+            i = ws.match(text, i).end()
+            if not text.startswith(":", i):
+                return None
+            try:
+                _, i = decoder.raw_decode(text, ws.match(text, i + 1).end())
+            except RecursionError:
+                return printable(key) if isinstance(key, str) else None
+            i = ws.match(text, i).end()
+            if not text.startswith(",", i):
+                return None
+            i += 1
+    except (ValueError, IndexError):
+        return None
 
 
 def _nested_too_deep(data: bytes) -> bool:
@@ -236,7 +265,8 @@ def sse(obj, event: str | None = None) -> str:
     return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def render_conversation(model: Model, messages: list[dict], tools: list[dict] | None, template_kwargs: dict) -> str:
+def render_conversation(model: Model, messages: list[dict], tools: list[dict] | None, template_kwargs: dict,
+                        param: str = "messages") -> str:
     """The prompt text of a conversation in the chat template's terms (role/content messages, assistant
     tool_calls with dict arguments, reasoning_content; OpenAI-style function tools), with the generation prompt.
     Every API turns its own request into these terms and renders it here."""
@@ -245,4 +275,4 @@ def render_conversation(model: Model, messages: list[dict], tools: list[dict] | 
                                                    **template_kwargs)
     except (ValueError, TypeError) as e:
         raise RequestError(f"the conversation cannot be rendered with the model's chat template: {e}",
-                           param="messages") from e
+                           param=param) from e
