@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One run on the lent H200: install Lily (a wheel carried in .whl/ when there is one, else a build), then the steps
-# asked for: tests (CUDA op + model tests), bench (the default path, 4K..128K), ablate (each switch off alone),
-# profile (per-kernel times of a prefill chunk and a decode step under ncu), sanitize (memcheck + racecheck).
+# asked for: tests (CUDA op + model tests; TESTS=paths for others), bench (the default path, 4K..128K), ablate (each
+# switch off alone), agent (agent turns through the server against the engine: benchmarks/bench_agent.py; needs
+# starlette, uvicorn and openai, carried as wheels), profile (per-kernel times of a prefill chunk and a decode step
+# under ncu), sanitize (memcheck + racecheck).
 # Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|profile|sanitize]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,13 +25,15 @@ echo "install: $(( $(date +%s) - t0 )) s"
 for step in $steps; do
   t=$(date +%s)
   case $step in
-    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest tests/ops tests/test_cuda.py -q -rs -x --durations=8 -s \
+    tests) timeout ${TESTS_TIMEOUT:-420} python3 -m pytest ${TESTS:-tests/ops tests/test_cuda.py} -q -rs -x --durations=8 -s \
              -p no:cacheprovider > "$OUT/tests.log" 2>&1
            grep -E "passed|failed|^FAILED|^ERROR|Error|error|perplexity|agreement|assert" "$OUT/tests.log" | tail -30 ;;
     bench) timeout 400 python3 benchmarks/bench_model.py --backend cuda --lengths ${BENCH_LENGTHS:-4096,32768,131072} \
              ${BENCH_GREEDY:+--greedy} --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
     ablate) timeout 500 python3 benchmarks/bench_model.py --backend cuda --ablate \
               --lengths ${ABLATE_LENGTHS:-4096,32768,131072} --out "$OUT/ablation.json" 2>&1 | tee "$OUT/ablate.log" ;;
+    agent) timeout 300 python3 benchmarks/bench_agent.py --model random --backend cuda --out "$OUT/agent.json" 2>&1 \
+             | tee "$OUT/agent.log" ;;
     profile) NCU="ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum"
              for what in decode prefill; do
                timeout 200 $NCU python3 benchmarks/profile_step.py --what $what > "$OUT/$what.csv" 2> "$OUT/$what.err"
