@@ -42,6 +42,19 @@ _MAX_HEADER = 1 << 16
 _MAX_TOKENS = 1 << 24  # far above any context length
 
 
+def largest_snapshot_bytes(config: dict, max_context: int) -> int:
+    """An upper bound of Snapshot.to_bytes() for a model's state at up to `max_context` tokens (fp32 activations,
+    the widest a backend keeps): what a cache file's snapshot may be, so that a bigger one is never read."""
+    layers = config["num_hidden_layers"]
+    attn = layers // config.get("full_attention_interval", 4)
+    gdn = layers - attn
+    nk, nv, dk, dv = (config["linear_num_key_heads"], config["linear_num_value_heads"], config["linear_key_head_dim"],
+                      config["linear_value_head_dim"])
+    kv = attn * 2 * max_context * config["num_key_value_heads"] * config["head_dim"] * 4
+    conv = gdn * (config.get("linear_conv_kernel_dim", 4) - 1) * (2 * nk * dk + nv * dv) * 4
+    return kv + conv + gdn * nv * dv * dk * 4 + 4 * max_context + 8 * (attn + 2 * gdn) + 4096
+
+
 def model_fingerprint(model) -> str:
     """Identity of a loaded model for cache files: the fingerprint of its weights' content (Model.fingerprint:
     config, tensor names, dtypes and shapes, sampled bytes of every tensor; not file names or times, which a
@@ -74,12 +87,13 @@ class PrefixCache:
     Thread-safe."""
 
     def __init__(self, max_bytes: int, *, fingerprint: str, cache_dir: str | Path | None = None,
-                 max_disk_bytes: int | None = None):
+                 max_disk_bytes: int | None = None, max_snapshot_bytes: int | None = None):
         if max_bytes < 0:
             raise ValueError(f"PrefixCache: max_bytes must be >= 0, got {max_bytes}")
         if max_disk_bytes is not None and max_disk_bytes < 0:
             raise ValueError(f"PrefixCache: max_disk_bytes must be >= 0 or None, got {max_disk_bytes}")
         self.max_bytes, self.max_disk_bytes, self.fingerprint = max_bytes, max_disk_bytes, fingerprint
+        self.max_snapshot_bytes = max_snapshot_bytes  # a file's snapshot larger than this is never read
         self.dir = Path(cache_dir) if cache_dir is not None else None
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
@@ -195,7 +209,7 @@ class PrefixCache:
         for path in self.dir.glob("*" + SUFFIX):
             try:
                 with _open_regular(path) as f:
-                    header, tokens = _read_header(f)
+                    header, tokens = _read_header(f, self.max_snapshot_bytes)
                     info = os.fstat(f.fileno())
                 if header["fingerprint"] != self.fingerprint:
                     raise CorruptFile("written for another model")
@@ -218,7 +232,7 @@ class PrefixCache:
         """The snapshot of a disk entry (kept in memory if it fits); None, and the file dropped, if it is bad."""
         try:
             with _open_regular(e.path) as f:
-                header, tokens = _read_header(f)
+                header, tokens = _read_header(f, self.max_snapshot_bytes)
                 if header["fingerprint"] != self.fingerprint or not np.array_equal(tokens, e.tokens):
                     raise CorruptFile("its header changed since it was indexed")
                 payload = f.read(header["snapshot_bytes"])
@@ -317,8 +331,9 @@ def _open_regular(path: Path):
         raise
 
 
-def _read_header(f) -> tuple[dict, np.ndarray]:
-    """Reads and checks a cache file's header and tokens; leaves `f` at the snapshot bytes."""
+def _read_header(f, max_snapshot_bytes: int | None = None) -> tuple[dict, np.ndarray]:
+    """Reads and checks a cache file's header and tokens (a snapshot of more than `max_snapshot_bytes` is refused
+    before it is read); leaves `f` at the snapshot bytes."""
     head = f.read(len(MAGIC) + 8)
     if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
         raise CorruptFile("not a Lily prefix-cache file (bad magic)")
@@ -335,6 +350,9 @@ def _read_header(f) -> tuple[dict, np.ndarray]:
     if not isinstance(header, dict) or any(type(header.get(k)) is not t for k, t in fields.items()) \
             or not 0 <= header["tokens"] <= _MAX_TOKENS or header["snapshot_bytes"] < 0:
         raise CorruptFile(f"malformed header {_short(header)}")
+    if max_snapshot_bytes is not None and header["snapshot_bytes"] > max_snapshot_bytes:
+        raise CorruptFile(f"a snapshot of {header['snapshot_bytes']} bytes, more than this model's largest "
+                          f"({max_snapshot_bytes})")
     expected = len(MAGIC) + 8 + n + 4 * header["tokens"] + header["snapshot_bytes"]
     actual = os.fstat(f.fileno()).st_size
     if actual != expected:

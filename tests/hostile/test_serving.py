@@ -45,7 +45,7 @@ import lily
 from lily import _core
 from lily.parsers import MAX_JSON_DEPTH, Delta, OutputParser, parse_output
 from lily import prefix_cache
-from lily.prefix_cache import MAGIC, SUFFIX, PrefixCache
+from lily.prefix_cache import MAGIC, SUFFIX, PrefixCache, largest_snapshot_bytes
 from lily.sampling import SamplingParams
 from lily.server import MAX_BODY_BYTES, Engine
 from lily.tiny import TINY_TEXT_CONFIG, build_tiny
@@ -169,6 +169,30 @@ def test_entries_that_are_not_regular_files_are_skipped_unopened(tiny_model, tmp
     cache.close()
 
 
+def test_a_snapshot_larger_than_the_model_makes_is_never_read(tiny_model, tmp_path, caplog):
+    """A file whose header is consistent with its size but whose snapshot is larger than any state of the model
+    (here 8 GB, a sparse file) is skipped at start-up: reading it whole on the first lookup could take the memory."""
+    tokens = [1, 2, 3]
+    size = 8 << 30
+    header = json.dumps({"fingerprint": FP, "tokens": len(tokens), "snapshot_bytes": size, "crc32": 0}).encode()
+    path = tmp_path / ("huge" + SUFFIX)
+    path.write_bytes(_file_with_header(header, struct.pack("<3i", *tokens)))
+    os.truncate(path, path.stat().st_size + size)  # a hole: no disk used
+    limit = largest_snapshot_bytes(tiny_model.config, 256)
+    caplog.set_level(logging.WARNING, logger="lily.prefix_cache")
+    cache = PrefixCache(1 << 30, fingerprint=FP, cache_dir=tmp_path, max_snapshot_bytes=limit)
+    try:
+        assert cache.disk_entries == 0 and cache.lookup(tokens + [1]) is None
+        assert _warnings(caplog) == [f"prefix cache: skipping {path}: a snapshot of {size} bytes, more than this "
+                                     f"model's largest ({limit})"]
+    finally:
+        cache.close()
+    good, good_tokens = _good_file(tiny_model, tmp_path / "ok")  # a real one is within the bound
+    bounded = PrefixCache(1 << 30, fingerprint=FP, cache_dir=good.parent, max_snapshot_bytes=limit)
+    assert bounded.lookup(good_tokens + [1]).tokens == good_tokens
+    bounded.close()
+
+
 @pytest.mark.parametrize("header,why", [
     (json.dumps({"fingerprint": FP, "tokens": 1 << 40, "snapshot_bytes": 0, "crc32": 0}).encode(),
      "malformed header"),
@@ -197,10 +221,10 @@ def test_an_unexpected_error_reading_one_file_skips_only_that_file(tiny_model, t
     odd.write_bytes(good.read_bytes())
     real_read = prefix_cache._read_header
 
-    def failing_read(f):
+    def failing_read(f, *args):
         if os.path.samestat(os.fstat(f.fileno()), os.stat(odd)):
             raise MemoryError("simulated")
-        return real_read(f)
+        return real_read(f, *args)
 
     monkeypatch.setattr(prefix_cache, "_read_header", failing_read)
     caplog.set_level(logging.WARNING, logger="lily.prefix_cache")

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from lily.conversation import Conversation
 from lily.model import Model
 from lily.parsers import Delta, OutputParser, prompt_opens_thinking
-from lily.prefix_cache import PrefixCache, model_fingerprint
+from lily.prefix_cache import PrefixCache, largest_snapshot_bytes, model_fingerprint
 from lily.server.anthropic import Anthropic
 from lily.server.engine import Engine, Job, Prompt, render_metrics
 from lily.server.openai import OpenAI
@@ -231,7 +231,8 @@ def serve(model: Model, *, model_id: str, host: str = "127.0.0.1", port: int = 8
     cache = None
     if cache_bytes > 0 or cache_dir is not None:
         cache = PrefixCache(cache_bytes, fingerprint=model_fingerprint(model), cache_dir=cache_dir,
-                            max_disk_bytes=cache_disk_bytes)
+                            max_disk_bytes=cache_disk_bytes, max_snapshot_bytes=largest_snapshot_bytes(
+                                model.config, max_context or model.config["max_position_embeddings"]))
     engine = Engine(model, max_context=max_context, cache=cache)
     app = create_app(engine, model_id=model_id, api_key=api_key)
     sock = listen(host, port)
