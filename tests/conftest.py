@@ -90,6 +90,20 @@ def new_tiny_model(_tiny_checkpoint):
     return lambda: lily.Model(_tiny_checkpoint)
 
 
+# Qwen3.6's real chat template: model data beside the repository (never copied into it); absent in some clones.
+REAL_TEMPLATE = TESTS_DIR.parent.parent / "shared" / "data" / "qwen3.6" / "chat_template.jinja"
+
+
+@pytest.fixture
+def real_template_model(new_tiny_model):
+    """A tiny model of its own that renders with the real chat template; the test skips where it is absent."""
+    if not REAL_TEMPLATE.is_file():
+        pytest.skip(f"the real chat template is not at {REAL_TEMPLATE}")
+    model = new_tiny_model()
+    model.tokenizer.chat_template = REAL_TEMPLATE.read_text(encoding="utf-8")
+    return model
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     """A freshly seeded generator; the seed is printed so that a failure can be replayed."""

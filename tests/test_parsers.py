@@ -189,15 +189,9 @@ def test_parse_tool_call_cut_short_needs_its_function_closed():
     assert json.loads(parse_tool_call(body + "</function>\n", {}, closed=False).arguments) == {"query": "q"}
 
 
-def test_a_parsed_call_round_trips_through_the_real_template(new_tiny_model):
+def test_a_parsed_call_round_trips_through_the_real_template(real_template_model):
     """The template renders a parsed call back to the exact text the model wrote (architecture.md §11.3)."""
-    from pathlib import Path
-
-    template = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "qwen3.6" / "chat_template.jinja"
-    if not template.is_file():
-        pytest.skip(f"the real chat template is not at {template}")
-    model = new_tiny_model()
-    model.tokenizer.chat_template = template.read_text(encoding="utf-8")
+    model = real_template_model
     reply = "Need the tool.\n</think>\n\n" + PARIS
     parsed = parse_output(reply, reasoning=True, tools=TOOLS)
     calls = [{"type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}

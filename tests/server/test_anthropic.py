@@ -3,7 +3,6 @@ terms (checked against the OpenAI path's), then end to end through the official 
 tiny-model server: answers, streaming events, thinking, a tool-use round trip that continues the saved state,
 stop sequences, token counting, the API key, and bad requests answered in Anthropic's error shape."""
 import json
-from pathlib import Path
 
 import anthropic
 import pytest
@@ -200,14 +199,10 @@ def test_tool_use_round_trip_continues_the_saved_state(client, script, stream):
     assert r2.usage.cache_read_input_tokens == first + r.usage.output_tokens - 1
 
 
-def test_a_claude_code_turn_with_the_real_template_continues_the_state(new_tiny_model):
+def test_a_claude_code_turn_with_the_real_template_continues_the_state(real_template_model):
     """Claude Code's shape: a billing line first in the system prompt, new in every request; a system reminder as a
     text block; a tool loop. With the real chat template the second turn prefills only the tool result."""
-    template = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "qwen3.6" / "chat_template.jinja"
-    if not template.is_file():
-        pytest.skip(f"the real chat template is not at {template}")
-    model = new_tiny_model()
-    model.tokenizer.chat_template = template.read_text(encoding="utf-8")
+    model = real_template_model
     script = Script(lambda prompt: TOOL_REPLY, feed=True)
     live = LiveServer(Engine(model, max_context=2048, generate_fn=script))
     try:

@@ -2,7 +2,6 @@
 shared tiny-model server: answers, streaming, logprobs, tool calls and reasoning end to end, request settings that
 reach the sampler and the template, and bad requests answered with OpenAI errors while the server keeps serving."""
 import json
-from pathlib import Path
 
 import openai
 import pytest
@@ -206,12 +205,8 @@ def test_openai_client_raises_on_errors(client):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
 
 
-def test_openai_history_renders_with_the_real_template(new_tiny_model):
-    template = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "qwen3.6" / "chat_template.jinja"
-    if not template.is_file():
-        pytest.skip(f"the real chat template is not at {template}")
-    model = new_tiny_model()
-    model.tokenizer.chat_template = template.read_text(encoding="utf-8")
+def test_openai_history_renders_with_the_real_template(real_template_model):
+    model = real_template_model
     body = {"messages": [
         {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
         {"role": "assistant", "content": None, "reasoning_content": "Need the tool.", "tool_calls": [

@@ -3,12 +3,11 @@ server: input items turned into the chat template's messages exactly as a chat r
 event streams, reasoning, a tool-call round trip, stored responses continued from the engine's saved state, and bad
 requests answered with OpenAI errors naming the field while the server keeps serving."""
 import json
-from pathlib import Path
 
 import openai
 import pytest
 
-from lily.server import RequestError, normalize_messages
+from lily.server import normalize_messages
 from lily.server.responses import (StoredResponse, StoredResponses, input_messages, parse_responses_request,
                                    with_instructions)
 from lily.server.protocol import render_conversation
@@ -94,12 +93,8 @@ def test_a_previous_response_is_continued_without_its_instructions(tiny_model):
     assert (stored.get("resp_2"), stored.get("resp_1") is not None) == (None, True)
 
 
-def test_items_render_with_the_real_template_as_the_chat_request_does(new_tiny_model):
-    template = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "qwen3.6" / "chat_template.jinja"
-    if not template.is_file():
-        pytest.skip(f"the real chat template is not at {template}")
-    model = new_tiny_model()
-    model.tokenizer.chat_template = template.read_text(encoding="utf-8")
+def test_items_render_with_the_real_template_as_the_chat_request_does(real_template_model):
+    model = real_template_model
     req = parse_responses_request({"input": ITEMS, "instructions": "Be brief.", "tools": [TOOL]}, model,
                                   StoredResponses())
     text = render_conversation(model, req.messages, req.tools, req.template_kwargs)
