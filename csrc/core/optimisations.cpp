@@ -18,6 +18,9 @@ const std::vector<OptInfo>& optimisation_table() {
        "decode GEMV: persistent warps stream two-row units (two in flight each) instead of one wave of row blocks"},
       {Opt::moe_tiles_128, "moe_tiles_128", "cuda",
        "MoE prefill GEMMs: 128-row tiles from 96 rows per expert on average (else 64-row tiles below 256)"},
+      {Opt::wgmma, "wgmma", "cuda",
+       "prefill GEMMs (dense and expert) on Hopper's wgmma, weights dequantised into registers, instead of mma.sync "
+       "from a dequantised shared-memory tile"},
   };
   return table;
 }

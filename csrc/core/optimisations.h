@@ -20,6 +20,9 @@ enum class Opt : int {
                      //   benchmarks/NOTES.md, Metal)
   moe_tiles_128,     // CUDA: MoE prefill GEMMs in 128-row tiles from 96 rows per expert (else from 256); Metal's
                      //   grouped GEMM picks its own 16/32-row tiles (metal/qmm.metal)
+  wgmma,             // CUDA: prefill GEMMs (dense and expert) on Hopper's wgmma with the weights dequantised into
+                     //   registers (qmm_sm90.cu) instead of mma.sync from a dequantised shared-memory tile. Metal has
+                     //   no such instruction: its GEMMs use simdgroup matrices already (metal/qmm.metal)
   kCount
 };
 

@@ -267,6 +267,11 @@ CASES = [
     Case("qmm", dict(T=33, N=65, K=256, group=32), tags=("edge",)),
     Case("qmm", dict(T=2, N=491, K=128, y_f32=True), tags=("edge",)),
     Case("qmm", dict(T=12, N=70, K=128, bits=8), tags=("edge",)),  # small-tile GEMM, 8-bit
+    # the Hopper GEMM (switch wgmma): 128- and 64-token tiles, odd k-steps, a partial last token tile,
+    # columns off the 256-row tile, an odd N (no 16-byte output rows), scales loaded (K/group not a multiple of 8)
+    Case("qmm", dict(T=513, N=11264, K=128, y_f32=True), tags=("edge",)),
+    Case("qmm", dict(T=513, N=11272, K=192), tags=("edge",)),
+    Case("qmm", dict(T=70, N=263, K=128), tags=("edge",)),
     # attention: decode at short and long context, prefill from empty and continuing chunks
     Case("attention", dict(T=1, pos0=100, **_attn_real), tags=("model",)),
     Case("attention", dict(T=1, pos0=5000, **_attn_real), tags=("model",)),
@@ -302,6 +307,7 @@ CASES = [
     # MoE: decode, prefill, odd geometries, and routing skewed onto the same experts (1, 2, 127 rows each)
     Case("moe", dict(T=1, **_moe_real), tags=("model", "slow")),
     Case("moe", dict(T=64, **_moe_real), tags=("model", "slow")),
+    Case("moe", dict(T=4096, **_moe_real), tags=("model", "slow")),  # a prefill chunk: ~128 rows per expert
     Case("moe", dict(T=5, H=64, E=8, top_k=2, I=64, IS=128), tags=("edge",)),
     Case("moe", dict(T=127, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
     Case("moe", dict(T=300, H=256, E=12, top_k=3, I=128, IS=64), tags=("edge",)),
@@ -316,6 +322,9 @@ CASES = [
     *[Case("moe", dict(T=t, H=64, E=40, top_k=32, I=64, IS=64), tags=("edge",)) for t in (3, 20)],
     # 100 rows per expert: the 128-row expert tiles (switch moe_tiles_128)
     Case("moe", dict(T=200, H=128, E=4, top_k=2, I=64, IS=64), tags=("edge",)),
+    # 150 rows per expert: two row tiles, the second partial; odd k-steps (H = I = 192)
+    Case("moe", dict(T=300, H=128, E=4, top_k=2, I=64, IS=64), tags=("edge",)),
+    Case("moe", dict(T=300, H=192, E=4, top_k=2, I=192, IS=64), tags=("edge",)),
     # 8-bit experts with a 4-bit router and shared gate: decode, and prefill with 10 and 40 rows per expert
     *[Case("moe", dict(T=t, H=128, E=8, top_k=2, I=64, IS=64, bits=8, gate_bits=4), tags=("edge",))
       for t in (3, 40, 160)],

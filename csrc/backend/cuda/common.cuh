@@ -34,6 +34,7 @@ struct Ctx {
   int num_sms = 132;
   size_t smem_optin = 227 * 1024;  // max dynamic shared memory per block
   Optimisations opts;
+  bool sm90a = false;  // a 9.0 device (H100/H200): the sm_90a kernels (qmm_sm90.cu) run on it when built
   bool pdl = false;  // launch with programmatic stream serialization (the replayed decode step, switch pdl)
   void* scratch(int slot, size_t bytes);
 

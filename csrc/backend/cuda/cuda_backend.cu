@@ -36,6 +36,7 @@ class CudaBackend final : public Backend {
     LILY_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_.stream, cudaStreamNonBlocking));
     ctx_.num_sms = prop.multiProcessorCount;
     ctx_.smem_optin = prop.sharedMemPerBlockOptin;
+    ctx_.sm90a = prop.major == 9 && prop.minor == 0;
     device_ = prop.name;
     LILY_CUDA_CHECK(cudaMallocHost(&pinned_, sizeof(int32_t) * 2 * kResultSlots));
     for (auto& e : result_events_) LILY_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));

@@ -1,5 +1,5 @@
-// gemm.cuh: decoding of MLX affine codes (architecture.md §9.3) shared by qmv.cu (GEMV) and qmm.cu (tensor-core
-// GEMM). Private to those two files.
+// gemm.cuh: decoding of MLX affine codes (architecture.md §9.3) shared by qmv.cu (GEMV) and the tensor-core GEMMs
+// (qmm.cu, qmm_sm90.cu), and the tile helpers the two GEMMs share. Private to those files.
 //
 // A packed word holds 32/BITS codes, LSB first. Codes become floats with one byte permute each (no int→float
 // conversion, which runs at quarter rate): the code's byte is placed under a fixed exponent, so the float's value
@@ -44,6 +44,82 @@ struct QCodes<8> {
       v[i] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u | uint32_t(i))) - 8388608.0f;
   }
 };
+
+// ---- shared by the tile GEMMs of qmm.cu and qmm_sm90.cu ----
+
+// Byte offset of 16-byte chunk kc (0..7) of 128-byte tile row `row`: chunk XOR (row mod 8). With the tile 1024-byte
+// aligned this is also the hardware's 128-byte swizzle, the layout wgmma reads (qmm_sm90.cu).
+__device__ __forceinline__ uint32_t swz(int row, int kc) {
+  return uint32_t(row * 128 + (((kc ^ row) & 7) << 4));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// The (expert, row range) of flattened row tile t, where expert e owns ceil(count_e / BM) tiles in expert order.
+// Block-wide (all kThreads threads of the block call it); returns false for every thread when t is past the last tile.
+template <int BM, int kThreads = 256>
+__device__ bool find_tile(const int32_t* offsets, int E, int t, int& e, int& r0, int& r1) {
+  __shared__ int warp_tiles[kThreads / 32];
+  __shared__ int hit[3];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) hit[0] = -1;
+  int carry = 0;  // tiles of the experts before this pass
+  for (int base = 0; base < E; base += kThreads) {
+    const int ex = base + threadIdx.x;
+    int lo = 0, hi = 0;
+    if (ex < E) {
+      lo = offsets[ex];
+      hi = offsets[ex + 1];
+    }
+    const int cnt = hi > lo ? (hi - lo + BM - 1) / BM : 0;
+    int incl = cnt;  // inclusive prefix over the warp
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (lane == 31) warp_tiles[warp] = incl;
+    __syncthreads();
+    int before = carry, total = carry;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) {
+      const int v = warp_tiles[w];
+      if (w < warp) before += v;
+      total += v;
+    }
+    const int first = before + incl - cnt;
+    if (t >= first && t < first + cnt) {
+      hit[0] = ex;
+      hit[1] = lo + (t - first) * BM;
+      hit[2] = hi;
+    }
+    carry = total;
+    __syncthreads();  // hit visible; warp_tiles free for the next pass
+  }
+  e = hit[0];
+  r0 = hit[1];
+  r1 = hit[2];
+  return e >= 0;
+}
+
+// Raise a kernel's dynamic shared-memory limit: even 48 KB needs it once static shared memory (find_tile) is added.
+template <typename Kernel>
+void allow_smem(Kernel kernel, int bytes) {
+  LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+// qmm_sm90.cu: the Hopper (sm_90a wgmma) form of the two tile GEMMs below, taken when sm90_gemm_applies (switch
+// wgmma, 4-bit, group ≥ 64, K % 64 == 0, built for and running on sm_90a); the arguments are qmm's / moe_gemm's,
+// already checked.
+bool sm90_gemm_applies(const Ctx& ctx, const QMatrix& W);
+void qmm_sm90(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
+void moe_gemm_sm90(Ctx& ctx, const QMatrix& A, const QMatrix* B, const int32_t* offsets, const int32_t* rows,
+                   int max_rows, const bf16* x, bf16* y);
 
 // log2 of a power of two (host).
 inline int log2_exact(int v) {

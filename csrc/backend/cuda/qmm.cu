@@ -13,7 +13,7 @@
 //          MoE at 4K tokens: 32768 routed rows; gate+up reads x rows 134 MB, experts 302 MB, writes 33.6 MB.
 // Work     qmm 2·T·N·K = 137.4 GFLOP; MoE gate+up 2·32768·1024·2048 = 137.4 GFLOP, down 2·32768·2048·512 = 68.7.
 //          Compute-bound. Floor at 790 TFLOP/s (measured bf16 peak, wgmma): 174 µs for 137.4 GFLOP; this mma.sync
-//          kernel aims at 150–250 TFLOP/s (550–900 µs).
+//          kernel runs at ~270 TFLOP/s (500 µs).
 // Mapping  block = 256 threads (8 warps, 2 along M × 4 along N), tile BM × 128 × 64 with BM = 128 (MI = 4) when
 //          the grid has ≥ 2 waves of such tiles, else BM = 64 (MI = 2). Warp tile (BM/2) × 32: MI × 4
 //          m16n8k16 mma per k16 step, A/B fragments by ldmatrix.x4 from XOR-swizzled 128-byte rows (conflict-free
@@ -29,10 +29,12 @@
 // Checks   bits 4|8; group 32|64|128; K % group == 0; 16-byte aligned W and x; qmm W.E == 1; moe B like A;
 //          offsets non-decreasing with offsets[E] − offsets[0] ≤ max_rows (not checkable on the host).
 // Ref      cpu/qmm.cpp (qmm), cpu/moe.cpp (experts) · Test tests/ops (op qmm, T > 8; op moe)
-// History  v1 (current): H200, T=4096, ncu: qmm 8192×2048 265 µs (518 TFLOP/s; 268 averaged over the model's dense
-//          projections), moe_gemm gate+up 869 µs / down 448 µs per layer (158 / 153 TFLOP/s) with 64-row tiles, 706 /
-//          387 µs with 128-row tiles from 96 rows per expert (switch moe_tiles_128, 2026-12-01: +8 % on a 4K prompt). Tried and removed: dequantising tile k+1 a quarter at a time between the k16
-//          steps of tile k's MMAs (issue overlap): 262 µs / 889 µs / 473 µs, no gain (2026-12-01).
+// History  v1 (current): H200, T=4096, ncu: qmm N=8192 K=2048 499 µs (275 TFLOP/s), N=2048 K=4096 265 µs; about 270
+//          TFLOP/s averaged over the model's dense projections; moe_gemm gate+up 869 µs / down 448 µs per layer
+//          (158 / 153 TFLOP/s) with 64-row tiles, 706 / 387 µs with 128-row tiles from 96 rows per expert (switch
+//          moe_tiles_128, 2026-12-01: +8 % on a 4K prompt). Tried and removed: dequantising tile k+1 a quarter at a
+//          time between the k16 steps of tile k's MMAs (issue overlap): no gain (2026-12-01). On a 9.0 device both ops
+//          run qmm_sm90.cu's wgmma kernel instead where it applies (switch wgmma); this one is the path without it.
 #include "backend/cuda/gemm.cuh"
 #include "backend/cuda/ops.cuh"
 
@@ -47,18 +49,6 @@ constexpr int kRowBytes = kBK * 2;  // one tile row in shared memory: 64 bf16 = 
 
 template <int MI>
 constexpr int kStageBytes = (32 * MI + kBN) * kRowBytes;  // x tile [BM][64] then W tile [128][64], bf16
-
-// Byte offset of 16-byte chunk kc (0..7) of tile row `row`: chunk XOR (row mod 8).
-__device__ __forceinline__ uint32_t swz(int row, int kc) {
-  return uint32_t(row * kRowBytes + (((kc ^ row) & 7) << 4));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -264,53 +254,6 @@ __global__ void __launch_bounds__(kThreads, MI == 2 ? 3 : 2)
     }
 }
 
-// The (expert, row range) of flattened row tile t, where expert e owns ceil(count_e / BM) tiles in expert order.
-// Block-wide (all kThreads threads call it); returns false for every thread when t is past the last tile.
-template <int BM>
-__device__ bool find_tile(const int32_t* offsets, int E, int t, int& e, int& r0, int& r1) {
-  __shared__ int warp_tiles[kThreads / 32];
-  __shared__ int hit[3];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (threadIdx.x == 0) hit[0] = -1;
-  int carry = 0;  // tiles of the experts before this pass
-  for (int base = 0; base < E; base += kThreads) {
-    const int ex = base + threadIdx.x;
-    int lo = 0, hi = 0;
-    if (ex < E) {
-      lo = offsets[ex];
-      hi = offsets[ex + 1];
-    }
-    const int cnt = hi > lo ? (hi - lo + BM - 1) / BM : 0;
-    int incl = cnt;  // inclusive prefix over the warp
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
-    if (lane == 31) warp_tiles[warp] = incl;
-    __syncthreads();
-    int before = carry, total = carry;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) {
-      const int v = warp_tiles[w];
-      if (w < warp) before += v;
-      total += v;
-    }
-    const int first = before + incl - cnt;
-    if (t >= first && t < first + cnt) {
-      hit[0] = ex;
-      hit[1] = lo + (t - first) * BM;
-      hit[2] = hi;
-    }
-    carry = total;
-    __syncthreads();  // hit visible; warp_tiles free for the next pass
-  }
-  e = hit[0];
-  r0 = hit[1];
-  r1 = hit[2];
-  return e >= 0;
-}
-
 template <int BITS, int MI, bool FUSED>
 __global__ void __launch_bounds__(kThreads, MI == 2 ? 3 : 2)
     moe_gemm_kernel(const QMatrix A, const QMatrix B, const int32_t* __restrict__ offsets,
@@ -369,12 +312,6 @@ __global__ void __launch_bounds__(kThreads, MI == 2 ? 3 : 2)
     }
 }
 
-// Raise a kernel's dynamic shared-memory limit: even 48 KB needs it once static shared memory (find_tile) is added.
-template <typename Kernel>
-void allow_smem(Kernel kernel, int bytes) {
-  LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-}
-
 template <int BITS, int MI>
 void launch_qmm(const Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32, int gshift) {
   constexpr int smem = 2 * kStageBytes<MI>;
@@ -410,6 +347,10 @@ void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) 
   check_qmm(W, x, y);
   check_out_alignment("qmm", y, W.N, y_f32 ? 4 : 2);
   LILY_CHECK(cdiv(T, 64) <= 65535, "qmm: T=", T, " exceeds the grid limit");
+  if (sm90_gemm_applies(ctx, W)) {
+    qmm_sm90(ctx, W, x, T, y, y_f32);
+    return;
+  }
   const int gshift = log2_exact(W.group);
   // 128-row tiles when they give at least two waves, else 64-row tiles (twice the blocks).
   const bool big = cdiv(T, 128) * cdiv(W.N, kBN) >= 2 * ctx.num_sms;
@@ -428,6 +369,10 @@ void moe_gemm(Ctx& ctx, const QMatrix& A, const QMatrix* B, const int32_t* offse
   check_moe_gemm(A, B, offsets, x, y, max_rows);
   check_out_alignment("moe_gemm", y, A.N, 2);
   if (max_rows == 0) return;
+  if (sm90_gemm_applies(ctx, A)) {
+    moe_gemm_sm90(ctx, A, B, offsets, rows, max_rows, x, y);
+    return;
+  }
   const int gshift = log2_exact(A.group);
   // 128-row tiles when experts average ≥ 96 rows (switch moe_tiles_128; without it ≥ 256): each dequantised weight
   // tile then serves twice the rows, at the price of the partial last tile of each expert (typical prefill: 32768
