@@ -21,6 +21,9 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::wgmma, "wgmma", "cuda",
        "prefill GEMMs (dense and expert) on Hopper's wgmma, weights dequantised into registers, instead of mma.sync "
        "from a dequantised shared-memory tile"},
+      {Opt::route_block, "route_block", "cuda",
+       "MoE routing: one block per token (top-k maxima by redux.sync, the shared gate's dot over the block, its "
+       "weights loaded before the PDL wait) instead of one warp per token"},
   };
   return table;
 }

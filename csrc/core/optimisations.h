@@ -23,6 +23,10 @@ enum class Opt : int {
   wgmma,             // CUDA: prefill GEMMs (dense and expert) on Hopper's wgmma with the weights dequantised into
                      //   registers (qmm_sm90.cu) instead of mma.sync from a dequantised shared-memory tile. Metal has
                      //   no such instruction: its GEMMs use simdgroup matrices already (metal/qmm.metal)
+  route_block,       // CUDA: MoE routing as one block per token (redux.sync maxima in the top-k, the shared gate's dot
+                     //   over the block with its weights loaded before the PDL wait) instead of one warp per token.
+                     //   Not on Metal: its simdgroup maxima (simd_max) are one reduction already; the dot shared
+                     //   over a threadgroup would carry over, unmeasured (benchmarks/NOTES.md, Metal)
   kCount
 };
 

@@ -19,7 +19,8 @@
 //          Prefill T=4096: routed 206.2 + shared 25.8 + router 4.3 = 236 GFLOP per layer → 0.36 ms at 660 TFLOP/s
 //          (tensor cores, in moe_gemm/qmm); the kernels of this file only move T·k·H·2 B (128 MB at T=4096).
 // Mapping  Both paths: router logits by qmm (f32); moe_route_kernel: one warp per token, E/32 probabilities per
-//          lane, k rounds of warp argmax; the same warp computes γ.
+//          lane, k rounds of warp argmax; the same warp computes γ. Switch route_block: moe_route_block_kernel, one
+//          block of 128 per token: warp 0 routes with redux.sync maxima, the block shares γ's dot.
 //          Prefill (T > kMoeDecodeMaxT, or shapes the decode kernels do not take): moe_sort_kernel, one block per
 //          expert, counts the (token, slot) pairs routed below / to it (offsets) and scatters its pairs in (token,
 //          slot) order (ballot prefix scan, no atomics) → rows, pos; moe_gemm gate+up (SwiGLU fused) → h;
@@ -44,6 +45,7 @@
 //          instead of 98.8; the residual added in the last kernel (moe_residual); the shared expert's codes loaded
 //          before the PDL wait in the decode kernels. Tried and removed: router GEMV + softmax + top-k + shared gate
 //          in one kernel with a last-block-arrival tail (8.5 µs against 4.1 + 10.7, but −9.5 % decode end to end).
+//          v3 (2026-12-02) moe_route_block_kernel (switch route_block): decode 457 → 506 tok/s at 4K on the H200.
 #include <algorithm>
 
 #include "backend/checks.h"
@@ -165,8 +167,20 @@ __device__ __forceinline__ uint4 load16(const uint32_t* p) { return __ldg(reinte
 
 // ---- kernels: routing (both paths) --------------------------------------------------------------------------------
 
+// Order-preserving map of a float to an unsigned key (and back), so that redux.sync's unsigned max finds a float max.
+__device__ __forceinline__ unsigned float_key(float f) {
+  const unsigned b = __float_as_uint(f);
+  return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+__device__ __forceinline__ float key_float(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
+}
+
 // Warp-wide: P = softmax(ℓ) over E ≤ kMaxExperts logits (lane l holds ℓ[l + 32·i] in p[i], -inf past E), the top-k
 // by P (ties → lower id), and ŵ = P / Σ_topk P (norm_topk) or P; lane j < k writes slot j of ids and wts.
+// REDUX (switch route_block): the maxima by redux.sync (one instruction each) instead of five shuffle rounds; the
+// same values, the same order.
+template <bool REDUX>
 __device__ __forceinline__ void route_warp(float (&p)[kMaxExperts / 32], int E, int k, bool norm_topk, int32_t* ids,
                                            float* wts) {
   constexpr int kPer = kMaxExperts / 32;
@@ -174,7 +188,10 @@ __device__ __forceinline__ void route_warp(float (&p)[kMaxExperts / 32], int E, 
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) mx = fmaxf(mx, p[i]);
-  mx = warp_max(mx);
+  if constexpr (REDUX)
+    mx = key_float(__reduce_max_sync(0xffffffffu, float_key(mx)));
+  else
+    mx = warp_max(mx);
   float sum = 0.0f;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
@@ -197,13 +214,22 @@ __device__ __forceinline__ void route_warp(float (&p)[kMaxExperts / 32], int E, 
         v = p[i];
         id = lane + 32 * i;
       }
+    if constexpr (REDUX) {
+      // P ∈ [0, 1] keyed by its bits + 1 (monotonic for non-negative floats), a removed or absent one by 0; then the
+      // lowest id holding the maximum
+      const unsigned key = v >= 0.0f ? __float_as_uint(v) + 1u : 0u;
+      const unsigned best = __reduce_max_sync(0xffffffffu, key);
+      id = __reduce_min_sync(0xffffffffu, key == best ? id : 0x7fffffff);
+      v = __uint_as_float(best - 1u);
+    } else {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-      const int oid = __shfl_xor_sync(0xffffffffu, id, o);
-      if (ov > v || (ov == v && oid < id)) {
-        v = ov;
-        id = oid;
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oid = __shfl_xor_sync(0xffffffffu, id, o);
+        if (ov > v || (ov == v && oid < id)) {
+          v = ov;
+          id = oid;
+        }
       }
     }
     if (lane == j) {
@@ -221,6 +247,25 @@ __device__ __forceinline__ void route_warp(float (&p)[kMaxExperts / 32], int E, 
   }
 }
 
+// dot += w_seg word wi (its kPerWord codes, dequantised with scale s, bias b) · x[0 .. kPerWord).
+template <int SEG_BITS>
+__device__ __forceinline__ void seg_dot(uint32_t w, float s, float b, const bf16* x, float& dot) {
+  constexpr int kPerWord = 32 / SEG_BITS;
+  uint32_t xw[kPerWord / 2];
+  if constexpr (kPerWord == 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(x);
+    xw[0] = u.x, xw[1] = u.y, xw[2] = u.z, xw[3] = u.w;
+  } else {
+    const uint2 u = *reinterpret_cast<const uint2*>(x);
+    xw[0] = u.x, xw[1] = u.y;
+  }
+  float v[kPerWord], xv[kPerWord];
+  dequant_word<SEG_BITS>(w, s, b, v);
+  bf16_words_to_f<kPerWord / 2>(xw, xv);
+#pragma unroll
+  for (int j = 0; j < kPerWord; ++j) dot = fmaf(v[j], xv[j], dot);
+}
+
 // One warp per token t: the routing of route_warp from logits[t], and γ = σ(m[t]·w_seg).
 template <int SEG_BITS>
 __global__ void __launch_bounds__(kRouteWarps * 32)
@@ -235,7 +280,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   float p[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < E ? lr[lane + 32 * i] : -INFINITY;
-  route_warp(p, E, k, norm_topk, r.ids + size_t(t) * k, r.wts + size_t(t) * k);
+  route_warp<false>(p, E, k, norm_topk, r.ids + size_t(t) * k, r.wts + size_t(t) * k);
 
   // γ = σ(m[t]·w_seg): lane owns packed words lane, lane + 32, … and the kPerWord values of m under each.
   constexpr int kPerWord = 32 / SEG_BITS;
@@ -245,22 +290,58 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
 #pragma unroll 4
   for (int wi = lane; wi < words; wi += 32) {
     const int g = wi * kPerWord / seg.group;  // group % kPerWord == 0: a word stays in one group
-    uint32_t xw[kPerWord / 2];
-    if constexpr (kPerWord == 8) {
-      const uint4 u = *reinterpret_cast<const uint4*>(mr + wi * kPerWord);
-      xw[0] = u.x, xw[1] = u.y, xw[2] = u.z, xw[3] = u.w;
-    } else {
-      const uint2 u = *reinterpret_cast<const uint2*>(mr + wi * kPerWord);
-      xw[0] = u.x, xw[1] = u.y;
-    }
-    float v[kPerWord], xv[kPerWord];
-    dequant_word<SEG_BITS>(seg.w[wi], bf16_bits_to_f(seg.s[g]), bf16_bits_to_f(seg.b[g]), v);
-    bf16_words_to_f<kPerWord / 2>(xw, xv);
-#pragma unroll
-    for (int j = 0; j < kPerWord; ++j) dot = fmaf(v[j], xv[j], dot);
+    seg_dot<SEG_BITS>(seg.w[wi], bf16_bits_to_f(seg.s[g]), bf16_bits_to_f(seg.b[g]), mr + wi * kPerWord, dot);
   }
   dot = warp_sum(dot);
   if (lane == 0) r.gamma[t] = 1.0f / (1.0f + expf(-dot));
+}
+
+// Switch route_block: one block per token. Warp 0 routes (route_warp with redux); all kRouteThreads threads share
+// γ's dot, the first kSegPre words each loaded before the PDL wait (weights only), so that the dot costs one
+// latency of m instead of a warp's serial pass over 2048 values.
+constexpr int kRouteThreads = 128;
+constexpr int kSegPre = 4;  // covers H ≤ 2048 (8-bit) / 4096 (4-bit)
+template <int SEG_BITS>
+__global__ void __launch_bounds__(kRouteThreads)
+    moe_route_block_kernel(const float* logits, const bf16* m, QStack seg, int E, int k, int H, bool norm_topk,
+                           Route r) {
+  pdl_trigger();
+  constexpr int kPer = kMaxExperts / 32, kPerWord = 32 / SEG_BITS;
+  const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
+  const int words = H / kPerWord;
+  uint32_t wq[kSegPre];
+  float ws[kSegPre], wb[kSegPre];
+#pragma unroll
+  for (int i = 0; i < kSegPre; ++i) {
+    const int wi = tid + kRouteThreads * i;
+    if (wi < words) {
+      const int g = wi * kPerWord / seg.group;
+      wq[i] = __ldg(seg.w + wi);
+      ws[i] = bf16_bits_to_f(__ldg(seg.s + g));
+      wb[i] = bf16_bits_to_f(__ldg(seg.b + g));
+    }
+  }
+  pdl_wait();
+  if (tid < 32) {
+    const float* lr = logits + size_t(t) * E;
+    float p[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < E ? lr[lane + 32 * i] : -INFINITY;
+    route_warp<true>(p, E, k, norm_topk, r.ids + size_t(t) * k, r.wts + size_t(t) * k);
+  }
+  const bf16* mr = m + size_t(t) * H;
+  float dot = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kSegPre; ++i) {
+    const int wi = tid + kRouteThreads * i;
+    if (wi < words) seg_dot<SEG_BITS>(wq[i], ws[i], wb[i], mr + wi * kPerWord, dot);
+  }
+  for (int wi = tid + kRouteThreads * kSegPre; wi < words; wi += kRouteThreads) {
+    const int g = wi * kPerWord / seg.group;
+    seg_dot<SEG_BITS>(seg.w[wi], bf16_bits_to_f(seg.s[g]), bf16_bits_to_f(seg.b[g]), mr + wi * kPerWord, dot);
+  }
+  dot = block_sum(dot);
+  if (tid == 0) r.gamma[t] = 1.0f / (1.0f + expf(-dot));
 }
 
 // ---- kernels: prefill ---------------------------------------------------------------------------------------------
@@ -667,8 +748,13 @@ void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf1
 
   qmm(ctx, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
   dispatch_bits(w.shared_expert_gate.bits, [&](auto bits) {
-    launch(ctx, moe_route_kernel<decltype(bits)::value>, unsigned(cdiv(a.T, kRouteWarps)), kRouteWarps * 32, 0,
-           logits, m, stack_of(w.shared_expert_gate), a.T, a.E, a.top_k, a.H, a.norm_topk_prob, r);
+    constexpr int SB = decltype(bits)::value;
+    if (ctx.opts.on(Opt::route_block))
+      launch(ctx, moe_route_block_kernel<SB>, unsigned(a.T), kRouteThreads, 0, logits, m,
+             stack_of(w.shared_expert_gate), a.E, a.top_k, a.H, a.norm_topk_prob, r);
+    else
+      launch(ctx, moe_route_kernel<SB>, unsigned(cdiv(a.T, kRouteWarps)), kRouteWarps * 32, 0, logits, m,
+             stack_of(w.shared_expert_gate), a.T, a.E, a.top_k, a.H, a.norm_topk_prob, r);
   });
   check_launch("moe_route_kernel");
 
