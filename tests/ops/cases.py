@@ -322,6 +322,9 @@ CASES = [
     *[Case("moe", dict(T=t, H=64, E=40, top_k=32, I=64, IS=64), tags=("edge",)) for t in (3, 20)],
     # 100 rows per expert: the 128-row expert tiles (switch moe_tiles_128)
     Case("moe", dict(T=200, H=128, E=4, top_k=2, I=64, IS=64), tags=("edge",)),
+    # the Hopper expert GEMM (H, I ≥ 256) at each of its token tiles: 6, 20, 50 rows per expert (16-, 32-, 64-token
+    # tiles) and 150 (a 128-token tile and a partial one)
+    *[Case("moe", dict(T=t, H=256, E=4, top_k=2, I=256, IS=64), tags=("edge",)) for t in (12, 40, 100, 300)],
     # 150 rows per expert: two row tiles, the second partial; odd k-steps (H = I = 192)
     Case("moe", dict(T=300, H=128, E=4, top_k=2, I=64, IS=64), tags=("edge",)),
     Case("moe", dict(T=300, H=192, E=4, top_k=2, I=192, IS=64), tags=("edge",)),
