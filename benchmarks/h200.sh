@@ -3,8 +3,8 @@
 # asked for: tests (CUDA op + model tests; TESTS=paths for others), bench (the default path, 4K..128K), ablate (each
 # switch off alone), agent (agent turns through the server against the engine: benchmarks/bench_agent.py; needs
 # starlette, uvicorn and openai, carried as wheels), profile (per-kernel times of a prefill chunk and a decode step
-# under ncu), sanitize (memcheck + racecheck).
-# Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|profile|sanitize]...
+# under ncu), stalls (ncu's warp-state and memory sections for the Hopper GEMMs), sanitize (memcheck + racecheck).
+# Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|agent|profile|stalls|sanitize]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lily-out}
@@ -39,6 +39,14 @@ for step in $steps; do
                timeout 200 $NCU python3 benchmarks/profile_step.py --what $what > "$OUT/$what.csv" 2> "$OUT/$what.err"
                python3 benchmarks/profile_step.py --summarize "$OUT/$what.csv" --top 24
              done ;;
+    stalls) # why a prefill GEMM waits: warp states, scheduler issue and memory sections of the first calls of
+            # the kernels named by STALL_KERNELS (a regex) in one 4096-token chunk
+            timeout 300 ncu --profile-from-start off --clock-control none \
+              --kernel-name "regex:${STALL_KERNELS:-qmm_sm90|moe_sm90}" --launch-count ${STALL_COUNT:-4} \
+              --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+              --section ComputeWorkloadAnalysis python3 benchmarks/profile_step.py --what prefill \
+              > "$OUT/stalls.txt" 2> "$OUT/stalls.err"
+            grep -E "Stall|Issue|Eligible|Throughput|Hit Rate|Bandwidth|qmm_sm90|moe_sm90" "$OUT/stalls.txt" | head -80 ;;
     sanitize) for tool in memcheck racecheck; do
         LILY_OP_TAGS=edge timeout 250 compute-sanitizer --tool $tool --error-exitcode 1 \
           python3 -m pytest tests/ops -q -x -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/sanitize-$tool.log"; done ;;
