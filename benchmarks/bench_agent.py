@@ -14,17 +14,15 @@ import argparse
 import json
 import platform
 import secrets
-import threading
 import time
 from pathlib import Path
 
 import openai
-import uvicorn
 
 import lily
 from lily.bench import load_for_bench
 from lily.prefix_cache import PrefixCache, model_fingerprint
-from lily.server import Engine, create_app, listen
+from lily.server import BackgroundServer, Engine
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
          "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -39,21 +37,10 @@ def text_of(model: lily.Model, tokens: int) -> str:
     return " ".join(words)
 
 
-class Server:
+def start_server(model: lily.Model) -> BackgroundServer:
     """The app `lily serve` runs (lily.server.serve: an Engine with the default prefix cache) on a free port."""
-
-    def __init__(self, model: lily.Model):
-        self.engine = Engine(model, cache=PrefixCache(4 << 30, fingerprint=model_fingerprint(model)))
-        sock = listen("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-        config = uvicorn.Config(create_app(self.engine, model_id="lily"), log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
+    engine = Engine(model, cache=PrefixCache(4 << 30, fingerprint=model_fingerprint(model)))
+    return BackgroundServer(engine, model_id="lily")
 
 
 def streamed_turn(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
@@ -102,8 +89,8 @@ def engine_ttft(session: lily.Session, prompt: list[int], cached: int) -> float:
 def run(args) -> dict:
     model = load_for_bench(args.model, args.backend)
     model.eos_token_ids = []  # every reply runs to max_tokens, whatever the random weights say
-    server = Server(model)
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+    server = start_server(model)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
     try:
         warm = [{"role": "user", "content": text_of(model, 64)}]  # compiles and records what the first call does
         warm += [{"role": "assistant", "content": streamed_turn(client, warm, args.max_tokens)[1]},

@@ -3,8 +3,9 @@
 # asked for: tests (CUDA op + model tests; TESTS=paths for others), bench (the default path, 4K..128K), ablate (each
 # switch off alone), agent (agent turns through the server against the engine: benchmarks/bench_agent.py; needs
 # starlette, uvicorn and openai, carried as wheels), profile (per-kernel times of a prefill chunk and a decode step
-# under ncu), stalls (ncu's warp-state and memory sections for the Hopper GEMMs), sanitize (memcheck + racecheck).
-# Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|agent|profile|stalls|sanitize]...
+# under ncu), stalls (ncu's warp-state and memory sections for the Hopper GEMMs), dstalls (the same for the
+# decode step's GEMV and MoE kernels), sanitize (memcheck + racecheck).
+# Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|agent|profile|stalls|dstalls|sanitize]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lily-out}
@@ -47,6 +48,15 @@ for step in $steps; do
               --section ComputeWorkloadAnalysis python3 benchmarks/profile_step.py --what prefill \
               > "$OUT/stalls.txt" 2> "$OUT/stalls.err"
             grep -E "Stall|Issue|Eligible|Throughput|Hit Rate|Bandwidth|qmm_sm90|moe_sm90" "$OUT/stalls.txt" | head -80 ;;
+    dstalls) # the same sections for the decode step's bandwidth kernels (DSTALL_KERNELS, a regex), replayed nodes:
+             # the first layer's in_proj, out_proj, router, MoE gate+up and down are its first 5 matches
+            timeout 300 ncu --profile-from-start off --clock-control none \
+              --kernel-name "regex:${DSTALL_KERNELS:-qmv_stream|moe_gate_up|moe_down|qmv_kernel}" \
+              --launch-count ${DSTALL_COUNT:-5} --section WarpStateStats --section SchedulerStats \
+              --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section LaunchStats \
+              --section Occupancy python3 benchmarks/profile_step.py --what decode \
+              > "$OUT/dstalls.txt" 2> "$OUT/dstalls.err"
+            grep -E "Stall|Issue|Eligible|Throughput|Bandwidth|qmv|moe_" "$OUT/dstalls.txt" | head -80 ;;
     sanitize) for tool in memcheck racecheck; do
         LILY_OP_TAGS=edge timeout 250 compute-sanitizer --tool $tool --error-exitcode 1 \
           python3 -m pytest tests/ops -q -x -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/sanitize-$tool.log"; done ;;

@@ -11,11 +11,10 @@ import secrets
 import threading
 
 import openai
-import uvicorn
 
 import lily
 from lily.generate import GenerationResponse
-from lily.server import Engine, create_app, listen
+from lily.server import BackgroundServer, Engine
 
 MAX_CONTEXT = 320
 WEATHER = {"type": "function", "function": {
@@ -48,24 +47,11 @@ def metric(port: int, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
-class LiveServer:
-    """A Lily server on a free loopback port, run by uvicorn in a thread of this process."""
+class LiveServer(BackgroundServer):
+    """A Lily server on a free loopback port, run by uvicorn in a thread of the test process."""
 
     def __init__(self, engine: Engine, api_key: str | None = None):
-        self.engine = engine
-        sock = listen("127.0.0.1", 0)  # listening already: requests wait in the backlog until uvicorn serves
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(engine, model_id="tiny", api_key=api_key), log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-        assert not self.thread.is_alive(), "the server did not shut down"
+        super().__init__(engine, model_id="tiny", api_key=api_key)
 
     def request(self, method: str, path: str, body=None) -> tuple[int, dict | str]:
         return fetch(self.port, method, path, body)

@@ -184,12 +184,19 @@ Session::Session(const Model& model, int max_context, int prefill_chunk)
   LILY_CHECK(prefill_chunk >= 0, "prefill_chunk must be positive (or 0 for the backend's default), got ",
              prefill_chunk);
   Hold hold(*this);
-  for (int il = 0; il < c.num_hidden_layers; ++il) {
-    if (c.is_full_attention(il)) continue;
-    conv_.push_back(be_.alloc(size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes()));
-    rec_.push_back(static_cast<float*>(be_.alloc(
-        size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * sizeof(float))));
+  const int64_t conv_raw = int64_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes();
+  const size_t conv_bytes = size_t(ceil_div(conv_raw, 256)) * 256;  // the recurrent state after it stays aligned
+  const size_t rec_bytes = size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4;
+  const int gdn_layers = c.num_hidden_layers - c.num_full_attention_layers();
+  if (gdn_layers > 0) {
+    gdn_state_ = be_.alloc(size_t(gdn_layers) * (conv_bytes + rec_bytes));
+    auto* at = static_cast<uint8_t*>(gdn_state_);
+    for (int l = 0; l < gdn_layers; ++l, at += conv_bytes + rec_bytes) {
+      conv_.push_back(at);
+      rec_.push_back(reinterpret_cast<float*>(at + conv_bytes));
+    }
   }
+  kv_.assign(c.num_full_attention_layers(), nullptr);
   k_cache_.assign(c.num_full_attention_layers(), nullptr);
   v_cache_.assign(c.num_full_attention_layers(), nullptr);
   pos_dev_ = static_cast<int32_t*>(be_.alloc(sizeof(int32_t)));
@@ -214,19 +221,21 @@ Session::Hold::~Hold() {
 
 Session::~Session() {
   std::lock_guard<std::recursive_mutex> lock(model_.backend_lock());  // another session may be computing
-  for (auto* group : {&k_cache_, &v_cache_, &conv_, &work_})
+  for (auto* group : {&kv_, &work_})
     for (void* p : *group) be_.release(p);
+  be_.release(gdn_state_);
   be_.release(logits_);
-  for (float* p : rec_) be_.release(p);
 }
 
 void Session::reset() {
   Hold hold(*this);
   changed();
-  const Config& c = model_.config();
-  for (void* p : conv_) be_.zero(p, size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes());
-  for (float* p : rec_)
-    be_.zero(p, size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4);
+  if (!conv_.empty()) {  // the state block ends with the last layer's recurrent state
+    const Config& c = model_.config();
+    const size_t rec_bytes = size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4;
+    be_.zero(gdn_state_, size_t(reinterpret_cast<uint8_t*>(rec_.back()) - static_cast<uint8_t*>(gdn_state_)) +
+                             rec_bytes);
+  }
   pos_ = 0;
   tokens_.clear();
   pos_dev_valid_ = false;
@@ -247,15 +256,18 @@ void Session::reserve_kv(int rows) {
   const int cap = std::min<int64_t>(
       max_context_, std::max<int64_t>(ceil_div(rows, 256) * 256, int64_t(kv_cap_) + int64_t(kv_cap_) / 4));
   const size_t row_bytes = size_t(c.num_key_value_heads) * c.head_dim * be_.act_bytes();
-  for (auto* cache : {&k_cache_, &v_cache_}) {
-    for (void*& p : *cache) {
-      void* grown = be_.alloc(size_t(cap) * row_bytes);
-      if (p) {
-        be_.copy(grown, p, size_t(pos_) * row_bytes);
-        be_.release(p);
-      }
-      p = grown;
+  const size_t half = size_t(ceil_div(int64_t(cap) * row_bytes, 256)) * 256;
+  // One allocation per layer, K then V, grown layer by layer (the old and new caches of one layer at a time).
+  for (size_t l = 0; l < kv_.size(); ++l) {
+    auto* grown = static_cast<uint8_t*>(be_.alloc(2 * half));
+    if (kv_[l]) {
+      be_.copy(grown, k_cache_[l], size_t(pos_) * row_bytes);
+      be_.copy(grown + half, v_cache_[l], size_t(pos_) * row_bytes);
+      be_.release(kv_[l]);
     }
+    kv_[l] = grown;
+    k_cache_[l] = grown;
+    v_cache_[l] = grown + half;
   }
   kv_cap_ = cap;
 }

@@ -214,9 +214,11 @@ class Session {
   mutable std::atomic<std::thread::id> holder_{};  // the thread holding the session, or none
   mutable int holds_ = 0;                          // nesting depth (touched by the holder only)
   int kv_cap_ = 0;
-  std::vector<void*> k_cache_, v_cache_;  // per attention layer [kv_cap, NKV, HD]
-  std::vector<void*> conv_;                // per GDN layer [K-1, conv_dim]
-  std::vector<float*> rec_;                // per GDN layer [NV, DV, DK] fp32
+  std::vector<void*> kv_;                  // per attention layer one allocation [K | V]:
+  std::vector<void*> k_cache_, v_cache_;  //   [kv_cap, NKV, HD] each
+  void* gdn_state_ = nullptr;              // every GDN layer's state in one allocation (one cudaMalloc, one zeroing):
+  std::vector<void*> conv_;                //   per GDN layer [K-1, conv_dim]
+  std::vector<float*> rec_;                //   per GDN layer [NV, DV, DK] fp32
   // working buffers for up to work_T_ tokens (activations unless noted)
   int work_T_ = 0;
   std::vector<void*> work_;

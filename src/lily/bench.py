@@ -1,10 +1,11 @@
 """`lily bench`: prefill and decode speed against context length, measured on the path users run.
 
 Each point is one `lily.stream_generate(model, prompt, max_tokens=N)` call with the model's own defaults (its
-sampling settings, the backend's prefill chunk): prefill speed is the prompt length over the wall-clock time to the
-first token, decode speed the steady rate of the tokens after it. The result is JSON (what was measured, on what,
-with which defaults) and, where matplotlib is installed, a PNG with the roofline of the device drawn in when it is
-known. `--ablate` repeats a few lengths with each optimisation turned off alone (lily.optimisations()).
+sampling settings, the backend's prefill chunk), after one untimed warm-up generation: prefill speed is the prompt
+length over the wall-clock time to the first token, decode speed the steady rate of the tokens after it. The result
+is JSON (what was measured, on what, with which defaults) and, where matplotlib is installed, a PNG with the roofline
+of the device drawn in when it is known. `--ablate` repeats a few lengths with each optimisation turned off alone
+(lily.optimisations()).
 """
 from __future__ import annotations
 
@@ -97,6 +98,10 @@ def sweep(model: lily.Model, lengths: list[int], decode_tokens: int, budget_s: f
           log=print) -> list[dict]:
     rng = np.random.default_rng(0)
     c, rows, t_start = model.config, [], time.perf_counter()
+    # One untimed generation first, as llama-bench and mlx_lm.benchmark do: a process's first one also loads each
+    # kernel (lazy module loading) and grows the scratch buffers to a full prefill chunk's size, which the
+    # generations after it do not pay.
+    measure(model, min(min(lengths, default=1), model.core.default_prefill_chunk), 4, rng)
     for L in lengths:
         if time.perf_counter() - t_start > budget_s:
             rows.append({"length": L, "skipped": f"time budget of {budget_s:.0f} s spent"})
@@ -122,6 +127,7 @@ def describe(model: lily.Model, name: str) -> dict:
     return {"path": "default", "model": name, "backend": model.backend, "device": model.core.device,
             "host": platform.node(), "prefill_chunk": model.core.default_prefill_chunk,
             "sampling": "the model's generation_config.json", "disabled": model.disabled,
+            "warmup": "one untimed generation of min(first length, prefill chunk) tokens before the sweep",
             "lily_version": lily.__version__, "ceilings": ceil}
 
 

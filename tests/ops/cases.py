@@ -115,12 +115,13 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
         x["v_cache"] = _act(rng, cache)
     elif op.startswith("gdn"):
         T, NK, NV, DK, DV = d["T"], d["NK"], d["NV"], d["DK"], d["DV"]
-        p.update(conv_kernel=4, eps=1e-6)
+        K = d.get("conv_kernel", 4)
+        p.update(conv_kernel=K, eps=1e-6)
         C = 2 * NK * DK + NV * DV
         if op == "gdn_conv":
             x["x"] = _act(rng, (T, C))
-            x["w"] = rng.normal(0, 0.5, size=(C, 4)).astype(np.float32)
-            x["conv_state"] = _act(rng, (3, C))
+            x["w"] = rng.normal(0, 0.5, size=(C, K)).astype(np.float32)
+            x["conv_state"] = _act(rng, (K - 1, C))
         elif op == "gdn_scan":
             x["c"] = _act(rng, (T, C))
             x["b"], x["alpha"] = _act(rng, (T, NV)), _act(rng, (T, NV))
@@ -260,6 +261,7 @@ CASES = [
     Case("qmm", dict(T=512, N=2048, K=4096), tags=("model",)),
     Case("qmm", dict(T=256, N=256, K=2048, bits=8, y_f32=True), tags=("model",)),
     Case("qmm", dict(T=9, N=512, K=2048), tags=("model",)),
+    Case("qmm", dict(T=4096, N=32, K=2048), tags=("model",)),  # the GDN gate projections of a prefill chunk
     # odd shapes: rows and columns off every tile, 8-bit, other group sizes
     Case("qmm", dict(T=3, N=40, K=128), tags=("edge",)),
     Case("qmm", dict(T=77, N=200, K=192), tags=("edge",)),
@@ -294,6 +296,9 @@ CASES = [
     Case("gdn_conv", dict(T=1, **_gdn_real), tags=("model",)),
     Case("gdn_conv", dict(T=300, **_gdn_real), tags=("model",)),
     Case("gdn_conv", dict(T=2, NK=2, NV=4, DK=32, DV=32), tags=("edge",)),
+    # 4 channels per thread (conv_dim % 8 == 4), and windows of 2 and 9 taps (the real model has 4)
+    Case("gdn_conv", dict(T=70, NK=1, NV=1, DK=32, DV=36), tags=("edge",)),
+    *[Case("gdn_conv", dict(T=40, NK=2, NV=4, DK=32, DV=32, conv_kernel=k), tags=("edge",)) for k in (2, 9)],
     Case("gdn_scan", dict(T=1, **_gdn_real), tags=("model",)),
     Case("gdn_scan", dict(T=64, **_gdn_real), tags=("model",)),
     Case("gdn_scan", dict(T=9, NK=4, NV=8, DK=32, DV=64), tags=("edge",)),

@@ -20,9 +20,10 @@
 //          64 MB q̂k̂ (+ L2 re-reads) + 32 MB v + 32 MB y + 4 MB state ≈ 0.2 GB → 40 µs;  norm 96 MB → 20 µs
 // Work     scan ≈ 7 FLOP per state element per token: 32·128·128·7 = 3.7 MFLOP per token, 15 GFLOP at T=4096
 //          (0.23 ms at 67 TFLOP/s fp32), but sequential in T: ~4096 dependent steps of ~0.1–0.2 µs each.
-// Mapping  conv: thread = 4 adjacent channels × a chunk of kConvChunk tokens; the K−1 previous raw rows slide
-//            through registers. Only the chunk-0 thread of a channel reads or writes that channel's state, and it
-//            reads every row it needs (old state, x) before it writes, so there are no races between blocks.
+// Mapping  conv: thread = 8 adjacent channels (a prefill chunk of the real window; else 4) × a chunk of kConvChunk
+//            tokens; the K−1 previous raw rows slide through registers. Only the chunk-0 thread of a channel reads or
+//            writes that channel's state, and it reads every row it needs (old state, x) before it writes, so there
+//            are no races between blocks.
 //          scan: (1) prep kernel, one warp per (token, key head): q̂, k̂, k̂·q̂ and the gates of its value heads.
 //            (2) scan kernel, block = (value head, 32 state rows), 128 threads: 8 lanes per state row, 2 rows per
 //            thread, each lane holding DK/8 columns (float4 chunks 4·s + 32·m) of its rows in registers for the
@@ -33,17 +34,22 @@
 //          chunked scan (T ≥ kChunkMinT, switch gdn_chunked): see "chunked prefill" below (the WY form per 64 tokens,
 //            gdn_wy_kernel then gdn_chunk_scan_kernel on the tensor cores).
 //          norm: one warp per (token, value head), 4 adjacent values per lane per 128.
-// Checks   conv: C % 4 == 0, 1 ≤ K ≤ 9, T ≥ 0, x/out/state 8-byte aligned.  scan: DK ∈ {32, 64, 128}, DV % 8 == 0,
-//          NV % NK == 0, c and y 16-byte aligned, state 16-byte aligned.  norm: DV % 4 == 0, DV ≤ 256.
+// Checks   conv: C % 4 == 0, 1 ≤ K ≤ 9, T ≥ 0, x/out/state 8-byte aligned (8 channels per thread only where C % 8 == 0
+//          and they are 16-byte aligned).  scan: DK ∈ {32, 64, 128}, DV % 8 == 0, NV % NK == 0, c and y 16-byte
+//          aligned, state 16-byte aligned.  norm: DV % 4 == 0, DV ≤ 256.
 // Ref      cpu/gdn.cpp (conv, scan), cpu/norm.cpp (gdn_norm)
 // History  v1, H200, real shapes, per call (stream-timed, launch included): conv 5 µs (T=1), 33 µs (512),
 //          168 µs (4096); scan (prep + scan) 8–10 µs (T=1), 156 µs (512), 1.22 ms (4096; 1 row per thread: 1.39 ms,
 //          4 rows: 1.71 ms); gdn_norm 4.7 µs (T=1), 62 µs (4096).
-//          v2 (current, 2026-12-01) the chunked scan for T ≥ 16, ncu at T = 4096: gdn_wy 337 µs + gdn_chunk_scan
+//          v2 (2026-12-01) the chunked scan for T ≥ 16, ncu at T = 4096: gdn_wy 337 µs + gdn_chunk_scan
 //          376 µs per layer (the token scan: 1.19 ms); +9.6 % on a 4K prompt. Tried and removed: the chunk scan in fp32
 //          SIMT, 8 lanes per state row (1.55 ms: 64 latency-bound steps per chunk); one fused kernel for a decode
 //          token (conv, norms, gates, state, gated norm; arrival counters): 9.2 µs against 4 kernels of 15 µs in ncu,
 //          no gain in the replayed step (+0.3 %).
+//          v3 (current, 2026-12-02), ncu at T = 4096 per layer: gdn_chunk_scan on 8 warps 376 → 348 µs; gdn_wy with
+//          16-byte shared loads 337 → 321 µs; gdn_conv with 8 channels per thread for a prefill chunk 102 → 88.5 µs.
+#include <type_traits>
+
 #include "backend/cuda/ops.cuh"
 #include "core/config.h"
 
@@ -76,59 +82,96 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // ---- kernels ------------------------------------------------------------------------------------------------------
 
-// Thread = channels c..c+3 (c = 4·(block.x·blockDim + tid)) × tokens [t0, t0 + kConvChunk), t0 = block.y·kConvChunk.
-// The window win[] is right-aligned: before the output for token t, win[kConvMaxK − K + k] = U[t + k], k < K, so the
-// newest row U[t + K − 1] = x[t] always lands in win[kConvMaxK − 1] and every register index is a constant.
-__global__ void __launch_bounds__(kConvThreads) gdn_conv_kernel(const bf16* __restrict__ x,
+// V bf16 values through one V·2-byte access (p V·2-byte aligned), as floats.
+template <int V>
+__device__ __forceinline__ void load_bf16v(const bf16* p, float (&f)[V]) {
+  if constexpr (V == 4) {
+    const float4 a = load_bf16x4(p);
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 t = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+      f[2 * i] = t.x, f[2 * i + 1] = t.y;
+    }
+  }
+}
+template <int V>
+__device__ __forceinline__ void store_bf16v(bf16* p, const float (&f)[V]) {
+  uint32_t w[V / 2];
+#pragma unroll
+  for (int i = 0; i < V / 2; ++i) {
+    const __nv_bfloat162 t = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    w[i] = *reinterpret_cast<const uint32_t*>(&t);
+  }
+  if constexpr (V == 4)
+    *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+  else
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Thread = channels c..c+V−1 (c = V·(block.x·blockDim + tid)) × tokens [t0, t0 + kConvChunk), t0 =
+// block.y·kConvChunk. The window win[] is right-aligned: before the output for token t, win[KW − K + k] = U[t + k],
+// k < K, so the newest row U[t + K − 1] = x[t] always lands in win[KW − 1] and every register index is a constant.
+// KW = 4 where K ≤ 4 (the real model), with V = 8 (16-byte accesses) where C % 8 == 0: fewer registers and load
+// instructions; else V = 4.
+template <int V, int KW>
+__global__ void __launch_bounds__(kConvThreads, 4) gdn_conv_kernel(const bf16* __restrict__ x,
                                                                 const float* __restrict__ w, bf16* conv_state,
                                                                 bf16* __restrict__ out, int T, int C, int K) {
   pdl_trigger();
   pdl_wait();
-  const int c = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
+  const int c = V * (blockIdx.x * blockDim.x + threadIdx.x);
   if (c >= C) return;
-  const int S = K - 1, lo = kConvMaxK - K;  // state rows; first live window slot
+  const int S = K - 1, lo = KW - K;  // state rows; first live window slot
   const int t0 = blockIdx.y * kConvChunk, t1 = min(T, t0 + kConvChunk);
   auto U = [&](int r) -> const bf16* { return r < S ? conv_state + size_t(r) * C + c : x + size_t(r - S) * C + c; };
 
-  float4 wk[kConvMaxK];  // right-aligned taps of the 4 channels: wk[lo + k] = w[c..c+3, k]
-  float4 win[kConvMaxK];
+  float wk[KW][V];  // right-aligned taps of the V channels: wk[lo + k][v] = w[c + v, k]
+  float win[KW][V];
 #pragma unroll
-  for (int i = 0; i < kConvMaxK; ++i) {
-    wk[i] = win[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int i = 0; i < KW; ++i) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) wk[i][v] = win[i][v] = 0.0f;
     if (i >= lo) {
       const int k = i - lo;
-      wk[i] = make_float4(w[size_t(c) * K + k], w[size_t(c + 1) * K + k], w[size_t(c + 2) * K + k],
-                          w[size_t(c + 3) * K + k]);
+#pragma unroll
+      for (int v = 0; v < V; ++v) wk[i][v] = w[size_t(c + v) * K + k];
     }
-    if (i >= lo && i < kConvMaxK - 1) win[i] = load_bf16x4(U(t0 + i - lo));  // U[t0 + k], k < K − 1
+    if (i >= lo && i < KW - 1) load_bf16v<V>(U(t0 + i - lo), win[i]);  // U[t0 + k], k < K − 1
   }
 #pragma unroll 4
   for (int t = t0; t < t1; ++t) {
-    win[kConvMaxK - 1] = load_bf16x4(x + size_t(t) * C + c);  // U[t + K − 1]
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    load_bf16v<V>(x + size_t(t) * C + c, win[KW - 1]);  // U[t + K − 1]
+    float acc[V];
 #pragma unroll
-    for (int i = 0; i < kConvMaxK; ++i) {
-      if (i >= lo) {  // Σ_k w[c, k] · U[t + k, c]
-        acc.x += wk[i].x * win[i].x;
-        acc.y += wk[i].y * win[i].y;
-        acc.z += wk[i].z * win[i].z;
-        acc.w += wk[i].w * win[i].w;
-      }
-    }
-    store_bf16x4(out + size_t(t) * C + c, make_float4(siluf_(acc.x), siluf_(acc.y), siluf_(acc.z), siluf_(acc.w)));
+    for (int v = 0; v < V; ++v) acc[v] = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kConvMaxK - 1; ++i) win[i] = win[i + 1];
+    for (int i = 0; i < KW; ++i)
+      if (i >= lo)  // Σ_k w[c, k] · U[t + k, c]
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[v] += wk[i][v] * win[i][v];
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[v] = siluf_(acc[v]);
+    store_bf16v<V>(out + size_t(t) * C + c, acc);
+#pragma unroll
+    for (int i = 0; i < KW - 1; ++i)
+#pragma unroll
+      for (int v = 0; v < V; ++v) win[i][v] = win[i + 1][v];
   }
   // Chunk 0 owns the state of its channels (later chunks start at t0 ≥ K − 1 and never read it): read all new rows
   // U[T + r] (old state rows when T + r < K − 1) before writing any of them.
   if (blockIdx.y != 0) return;
-  uint2 keep[kConvMaxK - 1];
+  using Row = std::conditional_t<V == 4, uint2, uint4>;
+  Row keep[KW - 1];
 #pragma unroll
-  for (int r = 0; r < kConvMaxK - 1; ++r)
-    if (r < S) keep[r] = *reinterpret_cast<const uint2*>(U(T + r));
+  for (int r = 0; r < KW - 1; ++r)
+    if (r < S) keep[r] = *reinterpret_cast<const Row*>(U(T + r));
 #pragma unroll
-  for (int r = 0; r < kConvMaxK - 1; ++r)
-    if (r < S) *reinterpret_cast<uint2*>(conv_state + size_t(r) * C + c) = keep[r];
+  for (int r = 0; r < KW - 1; ++r)
+    if (r < S) *reinterpret_cast<Row*>(conv_state + size_t(r) * C + c) = keep[r];
 }
 
 // One warp per (token t, key head kh): q̂, k̂ (fp32) and k̂·q̂ into qk [NK, T, 2·DK], and the gates of the value
@@ -341,7 +384,7 @@ __global__ void __launch_bounds__(kNormWarps * 32) gdn_norm_kernel(const bf16* y
 constexpr int kChunk = kGdnChunk;            // tokens per chunk (L)
 constexpr int kWyThreads = kGdnChunkMaxCols; // gdn_wy_kernel: one thread per column of [V | K̂] in the solve
 constexpr int kCsRows = kGdnChunkRows;       // gdn_chunk_scan_kernel: state rows per block
-constexpr int kCsThreads = 128;    // 4 warps
+constexpr int kCsThreads = 256;    // 8 warps
 
 struct ChunkArgs {
   const float* qk;      // [NK, T, 2·DK] q̂ then k̂ (gdn_scan_prep_kernel)
@@ -356,16 +399,19 @@ struct ChunkArgs {
   int T, NK, NV, DV, C, nc;
 };
 
-// Block = (chunk c, value head h), 256 threads. k̂, q̂ of the chunk in shared memory (rows padded by one float);
-// thread (ti, tj) computes the 4×4 tile t = 4·ti + a, i = 4·tj + b of K̂K̂ᵀ and Q̂K̂ᵀ; then thread j solves column j
-// of (I + A)·W = [diag(β)V | diag(β·e^λ)K̂] by forward substitution, its column of W in registers.
+// Block = (chunk c, value head h), 256 threads. k̂, q̂ of the chunk in shared memory (rows padded to 16 bytes);
+// thread (ti, tj) computes the 4×4 tile t = ti + 16a, i = tj + 16b of K̂K̂ᵀ and Q̂K̂ᵀ; then thread j solves column j
+// of (I + A)·W = [diag(β)V | diag(β·e^λ)K̂] by forward substitution, its column of W in registers, reading A four
+// entries per load. Both loops were bound by shared-memory load issue (one 4-byte load per 2.7 and per 1 FMA) in the
+// first form (4×4 tiles of consecutive rows, 4-byte loads: 337 µs per layer at T = 4096 in ncu).
 template <int DK>
-__global__ void __launch_bounds__(kWyThreads) gdn_wy_kernel(const __grid_constant__ ChunkArgs a) {
-  constexpr int L = kChunk, LDK = DK + 1, LDA = L + 1;
-  extern __shared__ float wy_smem[];
-  float* sK = wy_smem;           // [L][DK + 1]
-  float* sQ = sK + L * LDK;      // [L][DK + 1]
-  float* sA = sQ + L * LDK;      // [L][L + 1]
+__global__ void __launch_bounds__(kWyThreads, 1) gdn_wy_kernel(const __grid_constant__ ChunkArgs a) {
+  constexpr int L = kChunk, LDK = DK + 4, LDA = L + 4;  // 16-byte rows; LDK/4 ≡ 1 mod 8: rows in distinct banks
+  extern __shared__ float4 wy_smem4[];
+  float* wy_smem = reinterpret_cast<float*>(wy_smem4);
+  float* sK = wy_smem;           // [L][DK + 4]
+  float* sQ = sK + L * LDK;      // [L][DK + 4]
+  float* sA = sQ + L * LDK;      // [L][L + 4]
   float* sLam = sA + L * LDA;    // [L]
   float* sBeta = sLam + L;       // [L]
   uint16_t* sV = reinterpret_cast<uint16_t*>(sBeta + L);  // [L][DV] bf16: v of the chunk
@@ -408,38 +454,44 @@ __global__ void __launch_bounds__(kWyThreads) gdn_wy_kernel(const __grid_constan
   }
   __syncthreads();
 
-  {  // K̂K̂ᵀ → A (strictly lower, scaled), Q̂K̂ᵀ → P (lower with the diagonal, scaled)
+  {  // K̂K̂ᵀ → A (strictly lower, scaled), Q̂K̂ᵀ → P (lower with the diagonal, scaled); thread (ti, tj) owns rows
+     // t = ti + 16u and columns i = tj + 16v, reading 4 d at a time (16-byte loads: a warp's 16 column rows fall in
+     // distinct bank groups, its 2 row rows are broadcasts)
     const int ti = tid / 16, tj = tid % 16;
     float kk[4][4] = {}, qk[4][4] = {};
-    for (int d = 0; d < DK; ++d) {
-      float kt[4], qt[4], ki[4];
+    for (int d = 0; d < DK; d += 4) {
+      float4 kt[4], qt[4], ki[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        kt[u] = sK[(4 * ti + u) * LDK + d];
-        qt[u] = sQ[(4 * ti + u) * LDK + d];
-        ki[u] = sK[(4 * tj + u) * LDK + d];
+        kt[u] = *reinterpret_cast<const float4*>(sK + (ti + 16 * u) * LDK + d);
+        qt[u] = *reinterpret_cast<const float4*>(sQ + (ti + 16 * u) * LDK + d);
+        ki[u] = *reinterpret_cast<const float4*>(sK + (tj + 16 * u) * LDK + d);
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u)
 #pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          kk[u][v] = fmaf(kt[u], ki[v], kk[u][v]);
-          qk[u][v] = fmaf(qt[u], ki[v], qk[u][v]);
+        for (int v = 0; v < 4; ++v) {  // in d order, as one fma chain per output
+          kk[u][v] = fmaf(kt[u].x, ki[v].x, kk[u][v]);
+          kk[u][v] = fmaf(kt[u].y, ki[v].y, kk[u][v]);
+          kk[u][v] = fmaf(kt[u].z, ki[v].z, kk[u][v]);
+          kk[u][v] = fmaf(kt[u].w, ki[v].w, kk[u][v]);
+          qk[u][v] = fmaf(qt[u].x, ki[v].x, qk[u][v]);
+          qk[u][v] = fmaf(qt[u].y, ki[v].y, qk[u][v]);
+          qk[u][v] = fmaf(qt[u].z, ki[v].z, qk[u][v]);
+          qk[u][v] = fmaf(qt[u].w, ki[v].w, qk[u][v]);
         }
     }
     float* P = a.P + (size_t(h) * a.nc + c) * L * L;
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int t = 4 * ti + u;
-      float pr[4];
+      const int t = ti + 16 * u;
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
-        const int i = 4 * tj + v;
+        const int i = tj + 16 * v;
         const float decay = i <= t ? expf(sLam[t] - sLam[i]) : 0.0f;       // e^{λ_t − λ_i}
         sA[t * LDA + i] = i < t ? sBeta[t] * decay * kk[u][v] : 0.0f;      // A[t, i] = β_t·e^{λ_t−λ_i}·k̂_t·k̂_i
-        pr[v] = decay * qk[u][v];                                          // P[t, i] = e^{λ_t−λ_i}·q̂_t·k̂_i
+        P[t * L + i] = decay * qk[u][v];                                   // P[t, i] = e^{λ_t−λ_i}·q̂_t·k̂_i
       }
-      *reinterpret_cast<float4*>(P + t * L + 4 * tj) = make_float4(pr[0], pr[1], pr[2], pr[3]);
     }
   }
   if (tid < L) a.lam[(size_t(h) * a.nc + c) * L + tid] = sLam[tid];
@@ -451,12 +503,20 @@ __global__ void __launch_bounds__(kWyThreads) gdn_wy_kernel(const __grid_constan
   const bool is_v = j < a.DV;
   float w[L];
 #pragma unroll
+  for (int t = 0; t < L; ++t) w[t] = 0.0f;  // the terms past i = t − 1 below multiply A[t, i] = 0 by these zeros
+#pragma unroll
   for (int t = 0; t < L; ++t) {
     const float bt = is_v ? sBeta[t] * bf16_bits_to_f(sV[t * a.DV + j])
                           : sBeta[t] * expf(sLam[t]) * sK[t * LDK + (j - a.DV)];
     float acc = bt;
 #pragma unroll
-    for (int i = 0; i < t; ++i) acc = fmaf(-sA[t * LDA + i], w[i], acc);
+    for (int i = 0; i < t; i += 4) {  // A[t, i..i+3] in one (broadcast) 16-byte load
+      const float4 a4 = *reinterpret_cast<const float4*>(sA + t * LDA + i);
+      acc = fmaf(-a4.x, w[i], acc);
+      acc = fmaf(-a4.y, w[i + 1], acc);
+      acc = fmaf(-a4.z, w[i + 2], acc);
+      acc = fmaf(-a4.w, w[i + 3], acc);
+    }
     w[t] = acc;
   }
   if (is_v) {
@@ -491,14 +551,15 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Block = (value head h, state rows r0 = 32·block.y ..), 4 warps; the block's state rows S [32, DK] live in shared
+// Block = (value head h, state rows r0 = 32·block.y ..), 8 warps; the block's state rows S [32, DK] live in shared
 // memory (fp32) for the whole call. Chunk after chunk, three products on the tensor cores (tf32 operands, fp32
 // accumulators; the state itself is only ever rounded as an operand, never stored rounded):
-//   phase 1 (operands W2, Q̂, W1 tile): [W2; Q̂]·Sᵀ (M = 2L, N = 32, K = DK), warps 0–1 the W2 rows → U = W1 − W2·Sᵀ,
-//            warps 2–3 the Q̂ rows → X2 = Q̂·Sᵀ;
+//   phase 1 (operands W2, Q̂, W1 tile): [W2; Q̂]·Sᵀ (M = 2L, N = 32, K = DK), warps 0–3 the W2 rows → U = W1 − W2·Sᵀ,
+//            warps 4–7 the Q̂ rows → X2 = Q̂·Sᵀ, 16 rows each;
 //   phase 2 (operands P, K̂, λ): Y = diag(e^λ)·X2 + P·U (M = L, N = 32, K = L, the blocks above P's diagonal
-//            skipped), warp w rows 16w..; and S ← e^{λ_L}·S + Uᵀ·diag(e^{λ_L−λ})·K̂ (M = 32, N = DK, K = L), warp w
-//            columns DK/4·w ...
+//            skipped), warp w one n8 column tile of two row tiles (3 and 0, or 2 and 1: the same k-steps for all);
+//            and S ← e^{λ_L}·S + Uᵀ·diag(e^{λ_L−λ})·K̂ (M = 32, N = DK, K = L), warp w 16 rows × DK/4 columns.
+//   (4 warps, each with twice the tiles: 376 µs per layer at T = 4096 in ncu, one block of 4 warps per SM.)
 // The two operand sets live in separate shared buffers, each refilled by cp.async while the other phase computes.
 // Shared rows are padded (row strides ≡ 4 or 8 mod 32 words) so that every fragment load is conflict-free.
 template <int DK>
@@ -573,21 +634,18 @@ __global__ void __launch_bounds__(kCsThreads) gdn_chunk_scan_kernel(const __grid
     cp_async_wait<1>();  // phase-1 operands of chunk c (the phase-2 ones may still be landing)
     __syncthreads();     // … for every thread; and the state rows are in place
 
-    {  // phase 1: warp w computes rows 32·(w%2) .. + 31 of W2·Sᵀ (w < 2) or Q̂·Sᵀ (w ≥ 2), all 32 columns
-      const float* A = warp < 2 ? sW2 : sQ;
-      const int m0 = 32 * (warp & 1);
-      float acc[2][4][4] = {};
+    {  // phase 1: warp w computes rows 16·(w%4) .. + 15 of W2·Sᵀ (w < 4) or Q̂·Sᵀ (w ≥ 4), all 32 columns
+      const float* A = warp < 4 ? sW2 : sQ;
+      const int m0 = 16 * (warp & 3);
+      float acc[4][4] = {};
 #pragma unroll 4
       for (int k0 = 0; k0 < DK; k0 += 8) {
-        uint32_t af[2][4], bf[4][2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const float* ar = A + (m0 + 16 * i + g) * Ly::LDW + k0 + t4;
-          af[i][0] = tf32(ar[0]);
-          af[i][1] = tf32(ar[8 * Ly::LDW]);
-          af[i][2] = tf32(ar[4]);
-          af[i][3] = tf32(ar[8 * Ly::LDW + 4]);
-        }
+        uint32_t af[4], bf[4][2];
+        const float* ar = A + (m0 + g) * Ly::LDW + k0 + t4;
+        af[0] = tf32(ar[0]);
+        af[1] = tf32(ar[8 * Ly::LDW]);
+        af[2] = tf32(ar[4]);
+        af[3] = tf32(ar[8 * Ly::LDW + 4]);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // B[k][n] = S[n][k]
           const float* br = sS + (8 * j + g) * Ly::LDS + k0 + t4;
@@ -595,26 +653,22 @@ __global__ void __launch_bounds__(kCsThreads) gdn_chunk_scan_kernel(const __grid
           bf[j][1] = tf32(br[4]);
         }
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) mma_tf32(acc[i][j], af[i], bf[j][0], bf[j][1]);
+        for (int j = 0; j < 4; ++j) mma_tf32(acc[j], af, bf[j][0], bf[j][1]);
       }
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int t = m0 + 16 * i + g + 8 * hh, n = 8 * j + 2 * t4;
-            float v0 = acc[i][j][2 * hh], v1 = acc[i][j][2 * hh + 1];
-            if (warp < 2) {  // U = W1 − W2·Sᵀ
-              v0 = sW1[t * Ly::LDW1 + n] - v0;
-              v1 = sW1[t * Ly::LDW1 + n + 1] - v1;
-              *reinterpret_cast<float2*>(sU + t * Ly::LDU + n) = make_float2(v0, v1);
-            } else {
-              *reinterpret_cast<float2*>(sX2 + t * Ly::LDU + n) = make_float2(v0, v1);
-            }
+        for (int hh = 0; hh < 2; ++hh) {
+          const int t = m0 + g + 8 * hh, n = 8 * j + 2 * t4;
+          float v0 = acc[j][2 * hh], v1 = acc[j][2 * hh + 1];
+          if (warp < 4) {  // U = W1 − W2·Sᵀ
+            v0 = sW1[t * Ly::LDW1 + n] - v0;
+            v1 = sW1[t * Ly::LDW1 + n + 1] - v1;
+            *reinterpret_cast<float2*>(sU + t * Ly::LDU + n) = make_float2(v0, v1);
+          } else {
+            *reinterpret_cast<float2*>(sX2 + t * Ly::LDU + n) = make_float2(v0, v1);
           }
+        }
     }
     __syncthreads();  // U and X2 complete; the phase-1 buffer is free
     if (c + 1 < a.nc) load_phase1(c + 1);
@@ -624,84 +678,73 @@ __global__ void __launch_bounds__(kCsThreads) gdn_chunk_scan_kernel(const __grid
     if (tid < L) sDecay[tid] = expf(sLam[L - 1] - sLam[tid]);  // e^{λ_L − λ_t}
     __syncthreads();
 
-    {  // Y = diag(e^λ)·X2 + P·U: warp w rows 16w .. 16w + 15, all 32 columns
-      const int m0 = 16 * warp;
-      float acc[4][4];
+    {  // Y = diag(e^λ)·X2 + P·U: warp w columns 8·(w%4) .. + 7 of row tiles 3 and 0 (w < 4) or 2 and 1, so that
+       // every warp does 5 of the 40 k-steps the triangle leaves (P[t][i] = 0 for i > t)
+      const int n = 8 * (warp & 3) + 2 * t4;
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int q = 0; q < 2; ++q) {
+        const int mt = warp < 4 ? (q ? 0 : 3) : (q ? 1 : 2), m0 = 16 * mt;
+        float acc[4];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int t = m0 + g + 8 * hh, n = 8 * j + 2 * t4;
+          const int t = m0 + g + 8 * hh;
           const float e = expf(sLam[t]);
-          acc[j][2 * hh] = e * sX2[t * Ly::LDU + n];
-          acc[j][2 * hh + 1] = e * sX2[t * Ly::LDU + n + 1];
+          acc[2 * hh] = e * sX2[t * Ly::LDU + n];
+          acc[2 * hh + 1] = e * sX2[t * Ly::LDU + n + 1];
         }
-      for (int k0 = 0; k0 < m0 + 16; k0 += 8) {  // P[t][i] = 0 for i > t
-        uint32_t af[4];
-        const float* ar = sP + (m0 + g) * Ly::LDP + k0 + t4;
-        af[0] = tf32(ar[0]);
-        af[1] = tf32(ar[8 * Ly::LDP]);
-        af[2] = tf32(ar[4]);
-        af[3] = tf32(ar[8 * Ly::LDP + 4]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {  // B[k][n] = U[k][n]
-          const float* br = sU + (k0 + t4) * Ly::LDU + 8 * j + g;
-          mma_tf32(acc[j], af, tf32(br[0]), tf32(br[4 * Ly::LDU]));
+        for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+          uint32_t af[4];
+          const float* ar = sP + (m0 + g) * Ly::LDP + k0 + t4;
+          af[0] = tf32(ar[0]);
+          af[1] = tf32(ar[8 * Ly::LDP]);
+          af[2] = tf32(ar[4]);
+          af[3] = tf32(ar[8 * Ly::LDP + 4]);
+          const float* br = sU + (k0 + t4) * Ly::LDU + 8 * (warp & 3) + g;  // B[k][n] = U[k][n]
+          mma_tf32(acc, af, tf32(br[0]), tf32(br[4 * Ly::LDU]));
         }
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int t = m0 + g + 8 * hh, n = 8 * j + 2 * t4;
-          const __nv_bfloat162 y2 = __floats2bfloat162_rn(acc[j][2 * hh], acc[j][2 * hh + 1]);
+          const int t = m0 + g + 8 * hh;
+          const __nv_bfloat162 y2 = __floats2bfloat162_rn(acc[2 * hh], acc[2 * hh + 1]);
           *reinterpret_cast<__nv_bfloat162*>(sY + t * R + n) = y2;
         }
+      }
     }
-    {  // S ← e^{λ_L}·S + Uᵀ·diag(e^{λ_L−λ})·K̂: warp w columns DK/4·w .. + DK/4 − 1, all 32 rows
+    {  // S ← e^{λ_L}·S + Uᵀ·diag(e^{λ_L−λ})·K̂: warp w rows 16·(w%2) .. + 15, columns DK/4·(w/2) .. + DK/4 − 1
       constexpr int NJ = DK / 32;  // n8 tiles per warp
-      const int n0 = (DK / 4) * warp;
+      const int i0 = 16 * (warp & 1), n0 = (DK / 4) * (warp >> 1);
       const float eL = expf(sLam[L - 1]);
-      float acc[2][NJ][4];
+      float acc[NJ][4];
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < NJ; ++j)
 #pragma unroll
-        for (int j = 0; j < NJ; ++j)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = 16 * i + g + 8 * hh, n = n0 + 8 * j + 2 * t4;
-            acc[i][j][2 * hh] = eL * sS[r * Ly::LDS + n];
-            acc[i][j][2 * hh + 1] = eL * sS[r * Ly::LDS + n + 1];
-          }
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = i0 + g + 8 * hh, n = n0 + 8 * j + 2 * t4;
+          acc[j][2 * hh] = eL * sS[r * Ly::LDS + n];
+          acc[j][2 * hh + 1] = eL * sS[r * Ly::LDS + n + 1];
+        }
 #pragma unroll 2
       for (int k0 = 0; k0 < L; k0 += 8) {
-        uint32_t af[2][4];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {  // A[m][k] = U[k][m]
-          const float* ar = sU + (k0 + t4) * Ly::LDU + 16 * i + g;
-          af[i][0] = tf32(ar[0]);
-          af[i][1] = tf32(ar[8]);
-          af[i][2] = tf32(ar[4 * Ly::LDU]);
-          af[i][3] = tf32(ar[4 * Ly::LDU + 8]);
-        }
+        uint32_t af[4];  // A[m][k] = U[k][m]
+        const float* ar = sU + (k0 + t4) * Ly::LDU + i0 + g;
+        af[0] = tf32(ar[0]);
+        af[1] = tf32(ar[8]);
+        af[2] = tf32(ar[4 * Ly::LDU]);
+        af[3] = tf32(ar[4 * Ly::LDU + 8]);
         const float d0 = sDecay[k0 + t4], d1 = sDecay[k0 + t4 + 4];
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {  // B[k][n] = e^{λ_L−λ_k}·K̂[k][n]
           const float* br = sK + (k0 + t4) * Ly::LDK + n0 + 8 * j + g;
-          const uint32_t b0 = tf32(d0 * br[0]), b1 = tf32(d1 * br[4 * Ly::LDK]);
-#pragma unroll
-          for (int i = 0; i < 2; ++i) mma_tf32(acc[i][j], af[i], b0, b1);
+          mma_tf32(acc[j], af, tf32(d0 * br[0]), tf32(d1 * br[4 * Ly::LDK]));
         }
       }
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < NJ; ++j)
 #pragma unroll
-        for (int j = 0; j < NJ; ++j)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = 16 * i + g + 8 * hh, n = n0 + 8 * j + 2 * t4;
-            *reinterpret_cast<float2*>(sS + r * Ly::LDS + n) = make_float2(acc[i][j][2 * hh], acc[i][j][2 * hh + 1]);
-          }
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = i0 + g + 8 * hh, n = n0 + 8 * j + 2 * t4;
+          *reinterpret_cast<float2*>(sS + r * Ly::LDS + n) = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+        }
     }
     __syncthreads();  // Y and the new S complete; the phase-2 buffer, U and X2 are free
     for (int i = tid; i < nt * (R / 8); i += kCsThreads) {  // 16 bytes = 8 rows of one token
@@ -721,7 +764,7 @@ __global__ void __launch_bounds__(kCsThreads) gdn_chunk_scan_kernel(const __grid
 }
 
 constexpr size_t wy_smem_bytes(int DK, int DV) {
-  return (2 * kChunk * (DK + 1) + kChunk * (kChunk + 1) + 2 * kChunk) * 4 + size_t(kChunk) * DV * 2;
+  return (2 * kChunk * (DK + 4) + kChunk * (kChunk + 4) + 2 * kChunk) * 4 + size_t(kChunk) * DV * 2;
 }
 constexpr size_t cs_smem_bytes(int DK) {
   return DK == 32 ? CsLayout<32>::bytes : DK == 64 ? CsLayout<64>::bytes : CsLayout<128>::bytes;
@@ -752,8 +795,20 @@ void gdn_conv(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* w, bf16* c
   check_gdn_conv(a, x, conv_state, out);
   const int C = conv_dim(a);
   if (a.T == 0) return;
-  const dim3 grid(unsigned(cdiv(C / 4, kConvThreads)), unsigned(cdiv(a.T, kConvChunk)));
-  launch(ctx, gdn_conv_kernel, grid, kConvThreads, 0, x, w, conv_state, out, a.T, C, a.conv_kernel);
+  // 8 channels per thread for a prefill chunk with the real model's window (K ≤ 4; a 9-tap window of 8 channels would
+  // spill); a decode token keeps 4 per thread, twice the blocks (8 channels: decode 506 → 476 tok/s on the H200)
+  const bool v8 = a.T >= kConvChunk && a.conv_kernel <= 4 && C % 8 == 0 && aligned(x, 16) && aligned(out, 16) &&
+                  aligned(conv_state, 16);
+  const dim3 grid(unsigned(cdiv(C / (v8 ? 8 : 4), kConvThreads)), unsigned(cdiv(a.T, kConvChunk)));
+  auto go = [&](auto kernel) {
+    launch(ctx, kernel, grid, kConvThreads, 0, x, w, conv_state, out, a.T, C, a.conv_kernel);
+  };
+  if (v8)
+    go(gdn_conv_kernel<8, 4>);
+  else if (a.conv_kernel <= 4)
+    go(gdn_conv_kernel<4, 4>);
+  else
+    go(gdn_conv_kernel<4, kConvMaxK>);
   check_launch("gdn_conv");
 }
 

@@ -11,6 +11,7 @@ import hmac
 import logging
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -222,6 +223,32 @@ def listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0: any free port)."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     return socket.create_server((host, port), family=family, backlog=128)
+
+
+class BackgroundServer:
+    """The app of `engine` served by uvicorn in a daemon thread of this process, for programs that keep the model
+    in-process and talk to it over HTTP (tests, benchmarks, notebooks): `url` (no /v1), `port`, `close()`. The socket
+    listens before the thread starts, so requests sent at once wait in its backlog."""
+
+    def __init__(self, engine: Engine, *, model_id: str, api_key: str | None = None, host: str = "127.0.0.1",
+                 port: int = 0):
+        self.engine = engine
+        sock = listen(host, port)
+        self.port = sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(create_app(engine, model_id=model_id, api_key=api_key), log_level="warning",
+                                lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        """Stops the server and waits for it (and the engine, which its lifespan closes); raises if it does not
+        stop within a minute."""
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        if self.thread.is_alive():
+            raise RuntimeError("the background server did not shut down within 60 s")
 
 
 def serve(model: Model, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
