@@ -2,10 +2,11 @@
 # One run on the lent H200: install Lily (a wheel carried in .whl/ when there is one, else a build), then the steps
 # asked for: tests (CUDA op + model tests; TESTS=paths for others), bench (the default path, 4K..128K), ablate (each
 # switch off alone), agent (agent turns through the server against the engine: benchmarks/bench_agent.py; needs
-# starlette, uvicorn and openai, carried as wheels), profile (per-kernel times of a prefill chunk and a decode step
-# under ncu), stalls (ncu's warp-state and memory sections for the Hopper GEMMs), dstalls (the same for the
-# decode step's GEMV and MoE kernels), sanitize (memcheck + racecheck).
-# Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|agent|profile|stalls|dstalls|sanitize]...
+# starlette, uvicorn and openai, carried as wheels), serve (a new conversation's TTFT through the server against the
+# library at 4K and 32K: benchmarks/bench_serve.py, the same wheels), profile (per-kernel times of a prefill chunk
+# and a decode step under ncu), stalls (ncu's warp-state and memory sections for the Hopper GEMMs), dstalls (the same
+# for the decode step's GEMV and MoE kernels), sanitize (memcheck + racecheck).
+# Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|agent|serve|profile|stalls|dstalls|sanitize]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lily-out}
@@ -20,6 +21,11 @@ if ls .whl/lily-*-cp312-*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 else
   python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+  if ls .whl/*.whl >/dev/null 2>&1; then  # the server's dependencies (agent, serve), carried as wheels
+    python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl >> "$OUT/build.log" 2>&1 \
+      || { tail -30 "$OUT/build.log"; exit 1; }
+    export PYTHONPATH=/tmp/site
+  fi
 fi
 python3 -c "import lily; print('lily', lily.__file__); print(*lily.backends(), sep='\n')" || exit 1
 echo "install: $(( $(date +%s) - t0 )) s"
@@ -35,6 +41,8 @@ for step in $steps; do
               --lengths ${ABLATE_LENGTHS:-4096,32768,131072} --out "$OUT/ablation.json" 2>&1 | tee "$OUT/ablate.log" ;;
     agent) timeout 300 python3 benchmarks/bench_agent.py --model random --backend cuda --out "$OUT/agent.json" 2>&1 \
              | tee "$OUT/agent.log" ;;
+    serve) timeout 300 python3 benchmarks/bench_serve.py --model random --backend cuda --out "$OUT/serve.json" 2>&1 \
+             | tee "$OUT/serve.log" ;;
     profile) NCU="ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum"
              for what in decode prefill; do
                timeout 200 $NCU python3 benchmarks/profile_step.py --what $what > "$OUT/$what.csv" 2> "$OUT/$what.err"

@@ -1,6 +1,10 @@
 """`lily bench`: the sweep of the public default path, its JSON and plot, the ablation table, and the roofline sums
 (architecture.md §10) it divides by."""
+import argparse
+import importlib
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +47,19 @@ def test_ablate_writes_one_row_per_switch(tmp_path, capsys):
     table = capsys.readouterr().out
     for n in names:
         assert f"| `{n}` |" in table
+
+
+def test_bench_serve_sets_the_server_against_the_library(capsys, monkeypatch):
+    """benchmarks/bench_serve.py (issue 10's serving bar): prompts of exactly the asked length through both paths."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench_serve = importlib.import_module("bench_serve")
+    args = argparse.Namespace(model="tiny", backend="cpu", lengths=[48, 96], repeats=1, out=None)
+    result = bench_serve.run(args)
+    assert [p["length"] for p in result["points"]] == [48, 96]
+    for p in result["points"]:
+        assert p["prompt_tokens"] == p["length"]
+        assert p["server_ttft_ms"] > 0 and p["library_ttft_ms"] > 0
+        assert p["overhead_pct"] == pytest.approx(100 * (p["server_ttft_ms"] / p["library_ttft_ms"] - 1))
+    assert "L=    48 (48 prompt tokens): server" in capsys.readouterr().out
+    for name in ("bench_serve", "bench_agent"):  # the scripts' modules, not to be found by later imports
+        monkeypatch.delitem(sys.modules, name)
