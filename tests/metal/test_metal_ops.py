@@ -1,18 +1,22 @@
 """Every op case of tests/ops/cases.py on the Metal kernels, executed by the CPU harness, against the CPU reference
 backend, with the tolerance check of the CUDA op test (tests/ops/cases.py: check).
 
-Every case runs in forward, reverse and random thread order (conftest.py: thread_order), and once more (forward) in
-the ASan/UBSan build (test_asan.py). The cases where a Metal launcher reads an ablation switch (core/optimisations.h)
-run a second time with every switch off, the plain path the switch falls back to (as the CUDA op test does for every
-case). A kernel that does not exist yet fails its cases with "Metal kernel '<name>' is not implemented"; a kernel that
-no case dispatches fails test_every_kernel_runs_in_an_op_case.
+Every case but those tagged "gpu" runs in forward, reverse and random thread order (conftest.py: thread_order), and
+once more (forward) in the ASan/UBSan build (test_asan.py). The cases where a Metal launcher reads an ablation switch
+(core/optimisations.h) run a second time with every switch off, the plain path the switch falls back to (as the CUDA
+op test does for every case). A kernel that does not exist yet fails its cases with "Metal kernel '<name>' is not
+implemented"; a kernel that no case dispatches fails test_every_kernel_runs_in_an_op_case.
 """
 import secrets
 
 import numpy as np
 import pytest
 
-from ops.cases import CASES, check, make
+from ops.cases import CASES as ALL_CASES
+from ops.cases import check, make
+
+# The cases sized for the GPU kernels' tiles (tag "gpu"): minutes each on the harness, no kernel the others miss.
+CASES = [c for c in ALL_CASES if "gpu" not in c.tags]
 
 # Kernels that the op table does not reach, and the test that runs them instead.
 ELSEWHERE = {"sample": "tests/metal/test_metal_sample.py (token selection in the decode loop)"}
