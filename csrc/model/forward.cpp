@@ -189,7 +189,8 @@ Session::Session(const Model& model, int max_context, int prefill_chunk)
   const size_t rec_bytes = size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4;
   const int gdn_layers = c.num_hidden_layers - c.num_full_attention_layers();
   if (gdn_layers > 0) {
-    gdn_state_ = be_.alloc(size_t(gdn_layers) * (conv_bytes + rec_bytes));
+    gdn_state_bytes_ = size_t(gdn_layers) * (conv_bytes + rec_bytes);
+    gdn_state_ = be_.alloc(gdn_state_bytes_);
     auto* at = static_cast<uint8_t*>(gdn_state_);
     for (int l = 0; l < gdn_layers; ++l, at += conv_bytes + rec_bytes) {
       conv_.push_back(at);
@@ -230,12 +231,7 @@ Session::~Session() {
 void Session::reset() {
   Hold hold(*this);
   changed();
-  if (!conv_.empty()) {  // the state block ends with the last layer's recurrent state
-    const Config& c = model_.config();
-    const size_t rec_bytes = size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * 4;
-    be_.zero(gdn_state_, size_t(reinterpret_cast<uint8_t*>(rec_.back()) - static_cast<uint8_t*>(gdn_state_)) +
-                             rec_bytes);
-  }
+  if (gdn_state_) be_.zero(gdn_state_, gdn_state_bytes_);
   pos_ = 0;
   tokens_.clear();
   pos_dev_valid_ = false;

@@ -216,7 +216,8 @@ class Session {
   int kv_cap_ = 0;
   std::vector<void*> kv_;                  // per attention layer one allocation [K | V]:
   std::vector<void*> k_cache_, v_cache_;  //   [kv_cap, NKV, HD] each
-  void* gdn_state_ = nullptr;              // every GDN layer's state in one allocation (one cudaMalloc, one zeroing):
+  void* gdn_state_ = nullptr;              // every GDN layer's state in one allocation (one cudaMalloc, one zeroing)
+  size_t gdn_state_bytes_ = 0;             //   of this many bytes:
   std::vector<void*> conv_;                //   per GDN layer [K-1, conv_dim]
   std::vector<float*> rec_;                //   per GDN layer [NV, DV, DK] fp32
   // working buffers for up to work_T_ tokens (activations unless noted)

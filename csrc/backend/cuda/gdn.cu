@@ -679,7 +679,7 @@ __global__ void __launch_bounds__(kCsThreads) gdn_chunk_scan_kernel(const __grid
     __syncthreads();
 
     {  // Y = diag(e^λ)·X2 + P·U: warp w columns 8·(w%4) .. + 7 of row tiles 3 and 0 (w < 4) or 2 and 1, so that
-       // every warp does 5 of the 40 k-steps the triangle leaves (P[t][i] = 0 for i > t)
+       // every warp does 10 of the 80 k-steps the triangle leaves (P[t][i] = 0 for i > t)
       const int n = 8 * (warp & 3) + 2 * t4;
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
