@@ -37,6 +37,18 @@ def test_bench_measures_the_default_path(tmp_path, capsys):
     assert "L=    24: prefill" in capsys.readouterr().out
 
 
+def test_bench_reports_medians_of_repeats(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "tiny", "--lengths", "24", "--decode-tokens", "8", "--repeats", "3",
+                 "--out", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["runs"] == 3 and len(r["samples"]["prefill_tok_s"]) == 3
+    for key in ("prefill_tok_s", "decode_tok_s"):
+        assert r[key] == pytest.approx(sorted(r["samples"][key])[1])
+    assert main(["bench", "--model", "tiny", "--lengths", "24", "--repeats", "0", "--out", str(out)]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
 def test_ablate_writes_one_row_per_switch(tmp_path, capsys):
     out = tmp_path / "ablation.json"
     assert main(["bench", "--model", "tiny", "--ablate", "--lengths", "24", "--decode-tokens", "6",

@@ -2,7 +2,8 @@
 
 Each point is one `lily.stream_generate(model, prompt, max_tokens=N)` call with the model's own defaults (its
 sampling settings, the backend's prefill chunk), after one untimed warm-up generation: prefill speed is the prompt
-length over the wall-clock time to the first token, decode speed the steady rate of the tokens after it. The result
+length over the wall-clock time to the first token, decode speed the steady rate of the tokens after it, each the
+median of --repeats generations (default 3) up to 32K tokens. The result
 is JSON (what was measured, on what, with which defaults) and, where matplotlib is installed, a PNG with the roofline
 of the device drawn in when it is known. `--ablate` repeats a few lengths with each optimisation turned off alone
 (lily.optimisations()).
@@ -94,8 +95,26 @@ def measure(model: lily.Model, length: int, decode_tokens: int, rng: np.random.G
             "decode_tok_s": decode, "peak_memory_gb": model.core.peak_memory / 1e9}
 
 
+# Prompts up to this long are measured `repeats` times (medians reported: one generation moves by ~±1.5 % on the
+# H200); longer ones, which take seconds each, once.
+REPEAT_MAX_LENGTH = 32768
+
+
+def median_of(runs: list[dict]) -> dict:
+    """One row from repeated measurements of one length: the median of each speed, the largest peak, and the
+    samples."""
+    row = dict(runs[0])
+    for key in ("ttft_s", "prefill_tok_s", "decode_tok_s"):
+        row[key] = float(np.median([r[key] for r in runs]))
+    row["peak_memory_gb"] = max(r["peak_memory_gb"] for r in runs)
+    row["runs"] = len(runs)
+    if len(runs) > 1:
+        row["samples"] = {k: [r[k] for r in runs] for k in ("prefill_tok_s", "decode_tok_s")}
+    return row
+
+
 def sweep(model: lily.Model, lengths: list[int], decode_tokens: int, budget_s: float, greedy_too: bool = False,
-          log=print) -> list[dict]:
+          log=print, repeats: int = 3) -> list[dict]:
     rng = np.random.default_rng(0)
     c, rows, t_start = model.config, [], time.perf_counter()
     # One untimed generation first, as llama-bench and mlx_lm.benchmark do: a process's first one also loads each
@@ -109,7 +128,8 @@ def sweep(model: lily.Model, lengths: list[int], decode_tokens: int, budget_s: f
         if L + decode_tokens > c["max_position_embeddings"]:
             rows.append({"length": L, "skipped": "longer than max_position_embeddings"})
             continue
-        row = measure(model, L, decode_tokens, rng)
+        row = median_of([measure(model, L, decode_tokens, rng)
+                         for _ in range(repeats if L <= REPEAT_MAX_LENGTH else 1)])
         row["prefill_tflop_s"] = prefill_flops(c, L) / row["ttft_s"] / 1e12
         row["decode_gb_s"] = decode_bytes(c, L) * row["decode_tok_s"] / 1e9
         if greedy_too:
@@ -128,6 +148,7 @@ def describe(model: lily.Model, name: str) -> dict:
             "host": platform.node(), "prefill_chunk": model.core.default_prefill_chunk,
             "sampling": "the model's generation_config.json", "disabled": model.disabled,
             "warmup": "one untimed generation of min(first length, prefill chunk) tokens before the sweep",
+            "repeats": f"the median of `runs` generations per length up to {REPEAT_MAX_LENGTH} tokens, one above",
             "lily_version": lily.__version__, "ceilings": ceil}
 
 
@@ -174,13 +195,13 @@ def load_for_bench(name: str, backend: str, disable=None) -> lily.Model:
 
 
 def run(name: str, backend: str, lengths: list[int], decode_tokens: int, budget_s: float, out: Path,
-        greedy_too: bool = False, log=print) -> dict:
+        greedy_too: bool = False, log=print, repeats: int = 3) -> dict:
     model = load_for_bench(name, backend)
     model.eos_token_ids = []  # a benchmark generates its token count whatever the random weights say
     log(f"lily bench: {model.backend} on {model.core.device}, prefill chunk {model.core.default_prefill_chunk}, "
         f"default sampling")
     result = {**describe(model, name), "config": model.config,
-              "results": sweep(model, lengths, decode_tokens, budget_s, greedy_too, log)}
+              "results": sweep(model, lengths, decode_tokens, budget_s, greedy_too, log, repeats)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
     png = out.with_suffix(".png")
@@ -188,7 +209,8 @@ def run(name: str, backend: str, lengths: list[int], decode_tokens: int, budget_
     return result
 
 
-def ablate(name: str, backend: str, lengths: list[int], decode_tokens: int, out: Path, log=print) -> dict:
+def ablate(name: str, backend: str, lengths: list[int], decode_tokens: int, out: Path, log=print,
+           repeats: int = 3) -> dict:
     """The default path with everything on, then with each optimisation off alone."""
     from lily.tiny import build_random
 
@@ -200,7 +222,7 @@ def ablate(name: str, backend: str, lengths: list[int], decode_tokens: int, out:
         model.eos_token_ids = []
         meta = meta or {**describe(model, name), "disabled": "one switch at a time"}
         log(f"-- {'all on' if off is None else off + ' off'}")
-        runs[off or "all on"] = sweep(model, lengths, decode_tokens, float("inf"), log=log)
+        runs[off or "all on"] = sweep(model, lengths, decode_tokens, float("inf"), log=log, repeats=repeats)
         del model
     result = {**meta, "switches": {n: {"backends": b, "what": w} for n, b, w in lily.optimisations()}, "runs": runs}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -339,10 +339,13 @@ def cmd_bench(args) -> int:
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else \
         (bench.ABLATION_LENGTHS if args.ablate else bench.LENGTHS)
     out = Path(args.out or f"lily-bench-{backend}{'-ablation' if args.ablate else ''}.json")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     if args.ablate:
-        bench.ablate(args.model, backend, lengths, args.decode_tokens, out)
+        bench.ablate(args.model, backend, lengths, args.decode_tokens, out, repeats=args.repeats)
     else:
-        bench.run(args.model, backend, lengths, args.decode_tokens, args.budget, out, greedy_too=args.greedy)
+        bench.run(args.model, backend, lengths, args.decode_tokens, args.budget, out, greedy_too=args.greedy,
+                  repeats=args.repeats)
     return 0
 
 
@@ -384,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per length (default 64)")
     b.add_argument("--budget", type=float, default=600.0, help="start no new length after this many seconds")
     b.add_argument("--greedy", action="store_true", help="also time greedy decoding at each length")
+    b.add_argument("--repeats", type=int, default=3, help="generations per length up to 32K, medians reported "
+                   "(default 3; longer prompts run once)")
     b.add_argument("--ablate", action="store_true", help="repeat 4K/32K/128K with each optimisation off alone")
     b.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
     b.set_defaults(func=cmd_bench)
