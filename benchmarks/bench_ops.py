@@ -1,7 +1,7 @@
 """Op benchmark over the op test's case table (tests/ops/cases.py): µs per launch, GB/s and TFLOP/s against the
 case's own byte and FLOP counts.
 
-    python benchmarks/bench_ops.py --backend cuda [-o qmm,moe] [--tags model] [--json out.json]
+    python benchmarks/bench_ops.py --backend cuda [-o qmm,moe] [--tags model] [--disable attn_wgmma] [--json out.json]
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def main() -> None:
     p.add_argument("-o", "--ops", default="", help="comma-separated op names (default: all)")
     p.add_argument("--tags", default="model", help="only cases with this tag ('' for all)")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--disable", default="", help="comma-separated optimisation switches to turn off")
     p.add_argument("--json", default="")
     args = p.parse_args()
     ops = set(filter(None, args.ops.split(",")))
@@ -33,12 +34,13 @@ def main() -> None:
         if (ops and case.op not in ops) or (args.tags and args.tags not in case.tags):
             continue
         params, inputs = make(case, rng)
+        params = {**params, "disable": args.disable}
         us = _core.testing.time_op(args.backend, case.op, params, inputs, args.iters)
         gbs, tfs = case.bytes() / us / 1e3, case.flops() / us / 1e6
         rows.append({"case": case.id, "us": us, "gb_s": gbs, "tflop_s": tfs})
         print(f"{case.id:<52} {us:>10.1f} {gbs:>8.0f} {tfs:>8.1f}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"backend": args.backend, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"backend": args.backend, "disable": args.disable, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

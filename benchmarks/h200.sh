@@ -45,7 +45,8 @@ for step in $steps; do
              | tee "$OUT/serve.log" ;;
     profile) NCU="ncu --profile-from-start off --clock-control none --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum"
              for what in decode prefill; do
-               timeout 200 $NCU python3 benchmarks/profile_step.py --what $what > "$OUT/$what.csv" 2> "$OUT/$what.err"
+               timeout 200 $NCU python3 benchmarks/profile_step.py --what $what ${PROFILE_ARGS:-} > "$OUT/$what.csv" \
+                 2> "$OUT/$what.err"
                python3 benchmarks/profile_step.py --summarize "$OUT/$what.csv" --top 24
              done ;;
     stalls) # why a prefill GEMM waits: warp states, scheduler issue and memory sections of the first calls of
@@ -53,7 +54,7 @@ for step in $steps; do
             timeout 300 ncu --profile-from-start off --clock-control none \
               --kernel-name "regex:${STALL_KERNELS:-qmm_sm90|moe_sm90}" --launch-count ${STALL_COUNT:-4} \
               --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-              --section ComputeWorkloadAnalysis python3 benchmarks/profile_step.py --what prefill \
+              --section ComputeWorkloadAnalysis python3 benchmarks/profile_step.py --what prefill ${PROFILE_ARGS:-} \
               > "$OUT/stalls.txt" 2> "$OUT/stalls.err"
             grep -E "Stall|Issue|Eligible|Throughput|Hit Rate|Bandwidth|qmm_sm90|moe_sm90" "$OUT/stalls.txt" | head -80 ;;
     dstalls) # the same sections for the decode step's bandwidth kernels (DSTALL_KERNELS, a regex), replayed nodes:

@@ -4,7 +4,7 @@ the driver's cuProfilerStart/Stop, so run it as
 
     ncu --profile-from-start off --clock-control none --csv \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-        python benchmarks/profile_step.py --context 4096 > kernels.csv
+        python benchmarks/profile_step.py --context 4096 [--prefix 28672] > kernels.csv
     python benchmarks/profile_step.py --summarize kernels.csv
 
 Decode kernels are nodes of the replayed CUDA graph (ncu profiles graph nodes one by one, so the times exclude the
@@ -20,7 +20,7 @@ import re
 from collections import defaultdict
 
 
-def profile(context: int, chunk: int, what: str) -> None:
+def profile(context: int, chunk: int, prefix: int, what: str) -> None:
     import numpy as np
 
     import lily
@@ -33,11 +33,15 @@ def profile(context: int, chunk: int, what: str) -> None:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.n_valid, context).astype(np.int32)
     if "prefill" in what:
-        s = model.core.session(max_context=context + 64, prefill_chunk=chunk)
-        s.prefill(prompt[:chunk])  # warm: scratch buffers reach their sizes
-        s.reset()
-        cuda.cuProfilerStart()
-        s.prefill(prompt[:chunk])
+        tokens = rng.integers(0, model.n_valid, prefix + chunk).astype(np.int32)
+        s = model.core.session(max_context=prefix + chunk + 64, prefill_chunk=chunk)
+        for profiled in (False, True):  # the first pass warms: scratch buffers reach their sizes
+            s.reset()
+            if prefix:
+                s.prefill(tokens[:prefix])
+            if profiled:
+                cuda.cuProfilerStart()
+            s.prefill(tokens[prefix:])
         cuda.cuProfilerStop()
     if "decode" in what:
         s = model.core.session(max_context=context + 64, prefill_chunk=chunk)
@@ -87,6 +91,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=4096, help="prompt tokens before the profiled decode step")
     p.add_argument("--chunk", type=int, default=4096, help="the profiled prefill chunk")
+    p.add_argument("--prefix", type=int, default=0,
+                   help="prompt tokens prefilled (unprofiled) before the profiled chunk: its attention sees them")
     p.add_argument("--what", default="prefill,decode")
     p.add_argument("--summarize", metavar="CSV", help="summarize an ncu CSV written by a profiled run")
     p.add_argument("--top", type=int, default=40)
@@ -94,7 +100,7 @@ def main() -> None:
     if args.summarize:
         summarize(args.summarize, args.top)
     else:
-        profile(args.context, args.chunk, args.what)
+        profile(args.context, args.chunk, args.prefix, args.what)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ enum class Opt : int {
                      //   over the block with its weights loaded before the PDL wait) instead of one warp per token.
                      //   Not on Metal: its simdgroup maxima (simd_max) are one reduction already; the dot shared
                      //   over a threadgroup would carry over, unmeasured (benchmarks/NOTES.md, Metal)
+  attn_wgmma,        // CUDA: prefill attention on Hopper's wgmma (S and P·V as warpgroup MMAs, the next tile's S
+                     //   overlapping this tile's P·V) instead of the mma.sync flash kernel. Metal has no asynchronous
+                     //   MMA: its attention uses simdgroup matrices already (metal/attention.metal)
   kCount
 };
 

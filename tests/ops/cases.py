@@ -282,6 +282,10 @@ CASES = [
     Case("attention", dict(T=1, pos0=40000, **_attn_real), tags=("model", "slow")),
     Case("attention", dict(T=300, pos0=0, **_attn_real), tags=("model",)),
     Case("attention", dict(T=64, pos0=200, **_attn_real), tags=("model",)),
+    # one wave of row blocks or more: the prefill kernel unsplit (T·G/128 · NKV ≥ the SMs), many key tiles, from empty
+    # and from an unaligned position
+    Case("attention", dict(T=2048, pos0=0, **_attn_real), tags=("model", "slow", "gpu")),
+    Case("attention", dict(T=1100, pos0=3001, **_attn_real), tags=("model", "slow", "gpu")),
     Case("attention", dict(T=17, pos0=3, NH=4, NKV=2, HD=64), tags=("edge",)),
     Case("attention", dict(T=1, pos0=40, NH=4, NKV=1, HD=32, rotary_dim=8), tags=("edge",)),
     Case("attention", dict(T=130, pos0=0, NH=8, NKV=2, HD=32), tags=("edge",)),

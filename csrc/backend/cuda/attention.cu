@@ -47,6 +47,7 @@
 //          + combine ~10 µs), 78 µs at 128K (3.4 TB/s of K/V).
 #include "backend/checks.h"
 #include "backend/cuda/ops.cuh"
+#include "backend/cuda/wgmma.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -300,6 +301,42 @@ __device__ __forceinline__ RowDst row_dst(const KArgs& a, int kvh, int r, const 
   return d;
 }
 
+// The epilogue of a warp that owns packed rows wrow .. wrow + 15 whole (its thread rows g and g + 8): the gated
+// output (S == 1) or this split's partials. o[4n + 2i + e]: row g + 8i, dims 8n + 2·tig + e (the m16n8 C layout of
+// mma.sync and of wgmma's accumulators alike); l is the thread's partial sum, reduced over the quad here.
+template <int HD>
+__device__ __forceinline__ void store_rows(const KArgs& a, int kvh, int wrow, const float* o, const float* m,
+                                           float* l, const bf16* qg, bf16* out, float* po, float* pml) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3, nrows = a.T * a.G;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = wrow + g + 8 * i;
+    if (r >= nrows) continue;
+    const RowDst dst = row_dst(a, kvh, r, qg, out, po, pml);
+    if (a.S == 1) {
+      const float inv = 1.0f / l[i];
+      __nv_bfloat162 gv[HD / 8];
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n) gv[n] = *reinterpret_cast<const __nv_bfloat162*>(dst.gate + n * 8 + 2 * tig);
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n)
+        *reinterpret_cast<__nv_bfloat162*>(dst.out + n * 8 + 2 * tig) =
+            __floats2bfloat162_rn(o[4 * n + 2 * i] * inv * sigmoidf_(__low2float(gv[n])),
+                                  o[4 * n + 2 * i + 1] * inv * sigmoidf_(__high2float(gv[n])));
+    } else {
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n)
+        *reinterpret_cast<float2*>(dst.po + n * 8 + 2 * tig) = make_float2(o[4 * n + 2 * i], o[4 * n + 2 * i + 1]);
+      if (tig == 0) *reinterpret_cast<float2*>(dst.pml) = make_float2(m[i], l[i]);
+    }
+  }
+}
+
 // grid (row tiles, NKV, S); block RW·KW warps; NSTAGE K/V tiles in flight. See the header for the mapping.
 template <int HD, int RW, int KW, int NSTAGE>
 __global__ void __launch_bounds__(32 * RW * KW, 1)
@@ -375,38 +412,16 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
     __syncthreads();  // a later iteration's load overwrites this stage
   }
 
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-  }
   if constexpr (KW == 1) {
-    if (!active) return;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = wrow + g + 8 * i;
-      if (r >= nrows) continue;
-      const RowDst dst = row_dst(a, kvh, r, qg, out, po, pml);
-      if (a.S == 1) {
-        const float inv = 1.0f / l[i];
-        __nv_bfloat162 gv[HD / 8];
-#pragma unroll
-        for (int n = 0; n < HD / 8; ++n) gv[n] = *reinterpret_cast<const __nv_bfloat162*>(dst.gate + n * 8 + 2 * tig);
-#pragma unroll
-        for (int n = 0; n < HD / 8; ++n)
-          *reinterpret_cast<__nv_bfloat162*>(dst.out + n * 8 + 2 * tig) =
-              __floats2bfloat162_rn(o[n][2 * i] * inv * sigmoidf_(__low2float(gv[n])),
-                                    o[n][2 * i + 1] * inv * sigmoidf_(__high2float(gv[n])));
-      } else {
-#pragma unroll
-        for (int n = 0; n < HD / 8; ++n)
-          *reinterpret_cast<float2*>(dst.po + n * 8 + 2 * tig) = make_float2(o[n][2 * i], o[n][2 * i + 1]);
-        if (tig == 0) *reinterpret_cast<float2*>(dst.pml) = make_float2(m[i], l[i]);
-      }
-    }
+    if (active) store_rows<HD>(a, kvh, wrow, &o[0][0], m, l, qg, out, po, pml);
   } else {
     // Merge the KW warps' (m, l, O) of the same 16 rows through shared memory (the K/V stages are free now:
     // every real tile's group has landed and the loop ended on a barrier).
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+      l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
     __shared__ float red_m[KW][16], red_l[KW][16];
     float* ob = reinterpret_cast<float*>(ks);  // [KW][16][HD]
     if (tig == 0) {
@@ -464,6 +479,209 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
     }
     if (a.S > 1 && part == 0) *reinterpret_cast<float2*>(dst.pml) = make_float2(M, L);
   }
+}
+
+// ---- prefill on wgmma (sm_90a; switch attn_wgmma) ------------------------------------------------------------
+// grid (row tiles, NKV, S) as attn_mma's prefill instance; block = 2 warpgroups, warpgroup w owns packed rows
+// r0 + 64w .. +63 (warp w·4 + j rows 16j .. 16j + 15 of them). Per key tile of kWgKeys: S = Q·Kᵀ by 16 wgmma
+// m64n64k16 with Q and K from shared memory; the online softmax in registers; O += P·V by wgmma with P from
+// registers (the S accumulators repacked as bf16 A fragments) and V read N-major. Tile it's P·V runs while tile
+// it+1's S is computed and softmaxed (issued first, retired by wait_group 1), so the tensor pipe has the next tile's
+// work while a warpgroup is in its softmax. One barrier per tile: K of tile it+2 and V of it+1 are copied
+// (cp.async, one group) into the stages that tiles it and it−1 freed.
+constexpr int kWgRows = 128;  // packed rows per block
+constexpr int kWgKeys = 64;   // keys per tile
+
+template <int HD>
+struct WgLayout {
+  static constexpr int kQ = kWgRows * HD * 2;     // the Q tile: HD/64 blocks of 128 rows × 128 bytes
+  static constexpr int kTile = kWgKeys * HD * 2;  // one K or V tile: HD/64 blocks of 64 keys × 128 bytes
+  static constexpr int kBlk = kWgKeys * 128;      // the stride between a K/V tile's 64-dim blocks (V's LBO)
+  static constexpr int kBytes = 1024 + kQ + 4 * kTile;  // alignment slack, Q, K stages 0–1, V stages 0–1
+};
+
+// Byte offset of 16-byte chunk c (of HD/8) of row r in a tile of R rows (wgmma.cuh's K-major layout).
+__device__ __forceinline__ uint32_t wg_off(int R, int r, int c) { return uint32_t((c >> 3) * R * 128) + swz(r, c & 7); }
+
+template <int HD>
+__global__ void __launch_bounds__(256, 1)
+    attn_wgmma_kernel(const KArgs a, const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                      const bf16* __restrict__ v_cache, const bf16* __restrict__ qg, bf16* __restrict__ out,
+                      float* __restrict__ po, float* __restrict__ pml) {
+  pdl_trigger();
+  pdl_wait();
+#ifdef LILY_SM90A_DEVICE
+  using L = WgLayout<HD>;
+  constexpr int CH = HD / 8, PN = HD >= 128 ? 128 : HD, NPV = HD / PN;
+  extern __shared__ char smem_raw[];
+  uint32_t sbase;
+  char* smem = aligned_1k(smem_raw, sbase);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int g = lane >> 2, tig = lane & 3;
+  const int pos0 = cur_pos0(a), nrows = a.T * a.G, kvh = blockIdx.y;
+  const int chunk = split_chunk(pos0 + a.T, a.S);
+  const int r0 = (gridDim.x - 1 - blockIdx.x) * kWgRows;  // late rows see the most keys: launch them first
+  const int t_hi = min(a.T - 1, (r0 + kWgRows - 1) / a.G);
+  const int k0 = blockIdx.z * chunk;
+  const int kend = min(min(k0 + chunk, pos0 + t_hi + 1), a.cache_cap);
+  if (k0 >= kend) return;  // whole block: this split lies past the live range
+  const int ntiles = (kend - k0 + kWgKeys - 1) / kWgKeys;
+
+  for (int i = tid; i < kWgRows * CH; i += 256) {  // Q, zero rows past nrows
+    const int row = i / CH, c = i % CH, r = r0 + row;
+    const bool ok = r < nrows;
+    const size_t src = ok ? (size_t(r / a.G) * a.NH + kvh * a.G + r % a.G) * HD + c * 8 : 0;
+    cp_async16(smem + wg_off(kWgRows, row, c), q + src, ok);
+  }
+  auto load = [&](const bf16* cache, int off, int it) {  // tile it of K or V at byte offset off; keys ≥ kend zero
+    if (it >= ntiles) return;
+    const int kt = k0 + it * kWgKeys;
+    for (int i = tid; i < kWgKeys * CH; i += 256) {
+      const int row = i / CH, c = i % CH, key = kt + row;
+      const bool ok = key < kend;
+      const size_t src = ok ? (size_t(key) * a.NKV + kvh) * HD + c * 8 : 0;
+      cp_async16(smem + off + wg_off(kWgKeys, row, c), cache + src, ok);
+    }
+  };
+  auto koff = [](int it) { return L::kQ + (it & 1) * L::kTile; };  // K stage of tile it, then the V stage
+  auto voff = [](int it) { return L::kQ + (2 + (it & 1)) * L::kTile; };
+  load(k_cache, koff(0), 0);
+  cp_async_commit();
+  load(k_cache, koff(1), 1);
+  load(v_cache, voff(0), 0);
+  cp_async_commit();
+
+  auto limit = [&](int r) { return min(pos0 + min(r / a.G, a.T - 1) + 1, kend); };
+  const int wrow = r0 + 64 * wg + 16 * (warp & 3);
+  const int lim[2] = {limit(wrow + g), limit(wrow + g + 8)};
+  const int lim_lo = limit(wrow);  // a tile reaching past the warp's first row's limit needs the mask
+
+  float o[HD / 2], s[kWgKeys / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) o[i] = 0.0f;
+  uint32_t pa[4][4], pb[4][4];  // P of alternate tiles
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2];
+
+  const uint32_t qa = sbase + wg * 64 * 128;
+  // Descriptors as a base plus constant offsets (the start address is the low field, in 16-byte units); the base
+  // passes through an opaque move so that the compiler recomputes the sums instead of keeping 40 of them live.
+  auto opaque = [](uint64_t d) {
+    asm volatile("mov.b64 %0, %0;" : "+l"(d));
+    return d;
+  };
+  auto qk = [&](int it) {  // S = Q·K_itᵀ, one group
+    const uint64_t dq = opaque(smem_desc(qa)), dk = opaque(smem_desc(sbase + koff(it)));
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      Wgmma<64>::ss(s, dq + ((kk >> 2) * kWgRows * 128 + (kk & 3) * 32) / 16,
+                    dk + ((kk >> 2) * L::kBlk + (kk & 3) * 32) / 16, kk > 0);
+    wgmma_commit();
+  };
+  auto pv = [&](int it, const uint32_t(&p)[4][4]) {  // O += P·V_it, one group
+    const uint64_t dv = opaque(smem_desc(sbase + voff(it), L::kBlk));
+#pragma unroll
+    for (int kk = 0; kk < kWgKeys / 16; ++kk)
+#pragma unroll
+      for (int h = 0; h < NPV; ++h)
+        Wgmma<PN>::template rs<1>(o + h * PN / 2, p[kk], dv + (kk * 2048 + h * (PN / 64) * L::kBlk) / 16, 1);
+    wgmma_commit();
+  };
+  // Scale into the log2 domain, mask, update the running max / sum; p = the bf16 A fragments of P, alpha the
+  // factor for O. A row with nothing visible yet keeps p = 0, never NaN.
+  auto softmax = [&](int it, uint32_t(&p)[4][4]) {
+    const int kb = k0 + it * kWgKeys;
+    const bool mask = kb + kWgKeys > lim_lo;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kWgKeys / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * j + e] * a.sl2;
+        if (mask && kb + j * 8 + 2 * tig + (e & 1) >= lim[e >> 1]) x = -INFINITY;
+        s[4 * j + e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    float base[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      const float mn = fmaxf(m[i], mx[i]);
+      base[i] = mn == -INFINITY ? 0.0f : mn;
+      alpha[i] = exp2f(m[i] - base[i]);
+      m[i] = mn;
+      l[i] *= alpha[i];
+    }
+#pragma unroll
+    for (int j = 0; j < kWgKeys / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = exp2f(s[4 * j + e] - base[e >> 1]);
+        s[4 * j + e] = pe;
+        l[e >> 1] += pe;
+      }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) p[kk][u] = pack_bf16(s[8 * kk + 2 * u], s[8 * kk + 2 * u + 1]);
+  };
+
+  auto landed = [&]() {  // this thread's copies (the newest group) visible to every thread and to wgmma
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  };
+  cp_async_wait<1>();  // Q and K_0
+  fence_proxy_async();
+  __syncthreads();
+  wgmma_fence();
+  qk(0);
+  wgmma_wait<0>();
+  fence_acc(s);
+  softmax(0, pa);
+  // One tile: P·V of tile it (P in pc) while S of tile it+1 is computed and softmaxed into pn. P alternates between
+  // two register sets, so the softmax never writes registers an in-flight wgmma reads.
+  auto step = [&](int it, const uint32_t(&pc)[4][4], uint32_t(&pn)[4][4]) {
+    landed();  // K_{it+1} and V_it; every warpgroup is done with K_it and V_{it−1}, whose stages are refilled
+    load(k_cache, koff(it), it + 2);
+    load(v_cache, voff(it + 1), it + 1);
+    cp_async_commit();
+    wgmma_fence();
+    qk(it + 1);
+    pv(it, pc);
+    wgmma_wait<1>();  // S of tile it+1 (the older group) done; P·V of tile it still running
+    fence_acc(s);
+    softmax(it + 1, pn);
+    wgmma_wait<0>();
+    fence_acc(o);
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      o[4 * n] *= alpha[0], o[4 * n + 1] *= alpha[0];
+      o[4 * n + 2] *= alpha[1], o[4 * n + 3] *= alpha[1];
+    }
+  };
+  auto last = [&](int it, const uint32_t(&pc)[4][4]) {  // no branch around a wgmma: the final P·V on its own
+    landed();
+    wgmma_fence();
+    pv(it, pc);
+    wgmma_wait<0>();
+    fence_acc(o);
+  };
+  int it = 0;
+  for (; it + 2 < ntiles; it += 2) {
+    step(it, pa, pb);
+    step(it + 1, pb, pa);
+  }
+  if (it + 1 < ntiles) {
+    step(it, pa, pb);
+    last(it + 1, pb);
+  } else {
+    last(it, pa);
+  }
+  if (wrow < nrows) store_rows<HD>(a, kvh, wrow, o, m, l, qg, out, po, pml);
+#else
+  __trap();
+#endif
 }
 
 // ---- split-K combine: one block per (t, h); thread = (float4 column, group of splits) --------------------------
@@ -538,6 +756,32 @@ void launch_mma(Ctx& ctx, const KArgs& ka, int row_tiles, const bf16* q, const b
          k_cache, v_cache, qg, out, po, pml);
 }
 
+// The prefill instance on wgmma: built for sm_90a, on a 9.0 device, switch attn_wgmma, whole 128-byte rows.
+template <int HD>
+bool wgmma_applies(const Ctx& ctx) {
+#ifdef LILY_CUDA_SM90A
+  return HD % 64 == 0 && ctx.sm90a && ctx.opts.on(Opt::attn_wgmma);
+#else
+  (void)ctx;
+  return false;
+#endif
+}
+
+template <int HD>
+void launch_wgmma(Ctx& ctx, const KArgs& ka, int row_tiles, const bf16* q, const bf16* k_cache, const bf16* v_cache,
+                  const bf16* qg, bf16* out, float* po, float* pml) {
+  if constexpr (HD % 64 == 0) {
+    constexpr int smem = WgLayout<HD>::kBytes;
+    LILY_CHECK(size_t(smem) <= ctx.smem_optin, "attention: HD=", HD, " needs ", smem,
+               " bytes of shared memory, the device has ", ctx.smem_optin);
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(attn_wgmma_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    LILY_CUDA_CHECK(attr);
+    launch(ctx, attn_wgmma_kernel<HD>, dim3(row_tiles, ka.NKV, ka.S), 256, smem, ka, q, k_cache, v_cache, qg, out,
+           po, pml);
+  }
+}
+
 template <int HD>
 void run_attention(Ctx& ctx, KArgs ka, const bf16* q, const bf16* k_cache, const bf16* v_cache, const bf16* qg,
                    bf16* out) {
@@ -559,11 +803,16 @@ void run_attention(Ctx& ctx, KArgs ka, const bf16* q, const bf16* k_cache, const
     po = static_cast<float*>(ctx.scratch(kSlotAttnPartial, rows * (HD + 2) * sizeof(float)));
     pml = po + rows * HD;
   }
-  if (decode)
+  if (decode) {
     launch_mma<HD, 1, 4, 3>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
-  else
+    check_launch("attn_mma");
+  } else if (wgmma_applies<HD>(ctx)) {
+    launch_wgmma<HD>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
+    check_launch("attn_wgmma");
+  } else {
     launch_mma<HD, 8, 1, 2>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
-  check_launch("attn_mma");
+    check_launch("attn_mma");
+  }
   if (ka.S > 1) {
     const int groups = std::min(ka.S, kCombineGroups);
     launch(ctx, attn_combine_kernel, ka.T * ka.NH, HD / 4 * groups, 0, ka, po, pml, qg, out);

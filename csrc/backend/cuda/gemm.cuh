@@ -11,6 +11,7 @@
 #pragma once
 #include "backend/checks.h"
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/wgmma.cuh"
 
 namespace lily::cuda {
 
@@ -46,12 +47,6 @@ struct QCodes<8> {
 };
 
 // ---- shared by the tile GEMMs of qmm.cu and qmm_sm90.cu ----
-
-// Byte offset of 16-byte chunk kc (0..7) of 128-byte tile row `row`: chunk XOR (row mod 8). With the tile 1024-byte
-// aligned this is also the hardware's 128-byte swizzle, the layout wgmma reads (qmm_sm90.cu).
-__device__ __forceinline__ uint32_t swz(int row, int kc) {
-  return uint32_t(row * 128 + (((kc ^ row) & 7) << 4));
-}
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)

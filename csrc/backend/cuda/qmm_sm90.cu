@@ -36,10 +36,7 @@
 //          (ncu's stall reasons are next: the barrier per step with one block per SM is the first suspect).
 #include "backend/cuda/gemm.cuh"
 #include "backend/cuda/ops.cuh"
-
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define LILY_SM90A_DEVICE 1
-#endif
+#include "backend/cuda/wgmma.cuh"
 
 namespace lily::cuda {
 
@@ -49,80 +46,6 @@ constexpr int kThreads = 256;  // two warpgroups
 constexpr int kRows = 256;     // weight rows per block
 constexpr int kBK = 64;
 constexpr int kStages = 6;     // copies run kStages − 2 steps ahead
-
-// ---- wgmma (sm_90a) ----------------------------------------------------------------------------------------------
-// d[64 × N] += a[64 × 16] (registers, m16n8k16 A layout per warp) · b[16 × N] (shared memory, K-major rows of 128
-// bytes in the 128-byte swizzle, 8-row groups 1024 bytes apart).
-// scale_d = 0: d = a·b (the first step, so the accumulators need no zeroing).
-template <int N>
-__device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t desc, int scale_d);
-
-#ifdef LILY_SM90A_DEVICE
-template <>
-__device__ __forceinline__ void wgmma_rs<16>(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<32>(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<64>(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<128>(float* d, const uint32_t* a, uint64_t desc, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-#endif
-
-
-// Shared-memory matrix descriptor: start address, leading offset 16 (unused for swizzled K-major), stride 1024
-// bytes between 8-row groups, 128-byte swizzle.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
-
-// Keeps the compiler from moving accesses to the accumulators across the asynchronous wgmma.
-template <int N>
-__device__ __forceinline__ void fence_acc(float (&acc)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
-}
 
 // Where a block's 256 weight rows come from. Block row R = 64·(2·warpgroup + half) + 16·warp + r (r < 16) is the
 // fragment row r of that warp: plain, weight row n0 + R; fused SwiGLU, gate row (r < 8) or up row (r ≥ 8) of column
@@ -263,7 +186,7 @@ __device__ __forceinline__ void mainloop(const BlockRows& br, const int (&xrow)[
   auto mma = [&](float(&acc)[NT / 2], const uint32_t(&a)[4][4], uint32_t stage, int kt) {
     wgmma_fence();
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma_rs<NT>(acc, a[s], smem_desc(stage + s * 32), kt > 0 || s > 0);
+    for (int s = 0; s < 4; ++s) Wgmma<NT>::template rs<0>(acc, a[s], smem_desc(stage + s * 32), kt > 0 || s > 0);
     wgmma_commit();
   };
   int kt = 0;
@@ -349,11 +272,6 @@ constexpr int smem_bytes(int G) {
   return 1024 + scale_bytes(G) + kRingBytes<NT>;
 }
 
-__device__ __forceinline__ char* aligned(char* raw, uint32_t& sbase) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(raw));
-  sbase = (a + 1023u) & ~1023u;
-  return raw + (sbase - a);
-}
 
 template <int NT, typename OT>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -362,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   pdl_trigger();
   pdl_wait();
   uint32_t sbase;
-  char* smem = aligned(smem_raw, sbase);
+  char* smem = aligned_1k(smem_raw, sbase);
   const int tid = threadIdx.x;
   const int N = W.N, K = W.K;
   const int m0 = blockIdx.y * NT, n0 = blockIdx.x * kRows;
@@ -417,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int e, r0, r1;
   if (!find_tile<128>(offsets, A.E, blockIdx.y, e, r0, r1)) return;
   uint32_t sbase;
-  char* smem = aligned(smem_raw, sbase);
+  char* smem = aligned_1k(smem_raw, sbase);
   const int n = min(128, r1 - r0);  // rows of this tile: an expert's last tile is usually partial
   if (n > 64)
     moe_tile<128, FUSED>(A, B, e, r0, r1, rows, x, y, gshift, vec, smem, sbase);
