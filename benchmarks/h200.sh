@@ -5,7 +5,8 @@
 # starlette, uvicorn and openai, carried as wheels), serve (a new conversation's TTFT through the server against the
 # library at 4K and 32K: benchmarks/bench_serve.py, the same wheels), profile (per-kernel times of a prefill chunk
 # and a decode step under ncu), stalls (ncu's warp-state and memory sections for the Hopper GEMMs), dstalls (the same
-# for the decode step's GEMV and MoE kernels), sanitize (memcheck + racecheck).
+# for the decode step's GEMV and MoE kernels), sanitize (memcheck + racecheck). PROFILE_ARGS go to profile_step.py
+# in profile and stalls (e.g. --prefix 28672: the 4096-token chunk that sees 28K earlier tokens).
 # Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|agent|serve|profile|stalls|dstalls|sanitize]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
