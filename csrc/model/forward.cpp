@@ -498,7 +498,9 @@ Snapshot Session::snapshot() const {
     save(s.gdn_offset(l), conv_[l], s.conv_bytes);
     save(s.gdn_offset(l) + s.conv_bytes, rec_[l], s.rec_bytes);
   }
-  be_.sync();
+  // No sync: device copies are ordered with the work after them on the backend's queue (a restore, a read through
+  // to_host, the next forward), and a release waits for them; host copies (to_host) have completed already. So the
+  // server's snapshot of a prompt's opening turn does not stall the queue before the rest of the prompt.
   s.memory = std::move(memory);
   return s;
 }

@@ -367,6 +367,8 @@ void init_model(nb::module_& m) {
       .def("check_room", &Session::check_room, "n"_a,
            "Raises ValueError unless n more tokens fit within the session's context limit.")
       .def("reset", &Session::reset, nb::call_guard<nb::gil_scoped_release>())
+      .def("reserve", &Session::reserve, "tokens"_a, nb::call_guard<nb::gil_scoped_release>(),
+           "Room for `tokens` more positions: the KV caches grown once now, not as they fill.")
       .def("snapshot", &Session::snapshot, nb::call_guard<nb::gil_scoped_release>())
       .def("restore", &Session::restore, "snapshot"_a, nb::call_guard<nb::gil_scoped_release>(),
            "Restores a snapshot of this model (ValueError for another model's, or another geometry's).");

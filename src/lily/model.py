@@ -230,6 +230,12 @@ class Session:
             self.core.reset()
             self.conversation = None
 
+    def reserve(self, tokens: int) -> None:
+        """Makes room for `tokens` more positions at once (the KV caches are grown once, not as they fill): for a
+        caller that feeds a prompt in parts and knows the whole, as the server's engine does."""
+        with self.exclusive():
+            self.core.reserve(tokens)
+
     def snapshot(self) -> _core.Snapshot:
         """The state and the tokens it holds (Snapshot.tokens), for restore(); it carries the model's fingerprint.
         It lives in the backend's memory where there is room: a device copy of the used state, no host round trip."""

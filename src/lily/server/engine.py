@@ -221,7 +221,7 @@ class Engine:
         job.emit("accepted", prompt)
         t0 = time.perf_counter()
         try:
-            cached = self._prepare(prompt.ids, job)
+            cached = self._prepare(prompt.ids, job, params.max_tokens)
         except _Cancelled:
             self._cancelled(job)
             return
@@ -280,13 +280,13 @@ class Engine:
                 raise _Cancelled
         return check
 
-    def _prepare(self, ids: list[int], job: Job) -> int:
+    def _prepare(self, ids: list[int], job: Job, max_tokens: int) -> int:
         """Brings the session to the longest saved prefix of `ids` (the live state or a cached snapshot). If that
         does not reach the end of the prompt's first turn (a new conversation: its system prompt and tools, which
         other conversations and agents' sub-sessions often share), feeds up to there and snapshots it. The
         generation prefills the rest in one call, so a continued conversation's turn is one forward pass over its
-        new tokens, as the engine's own. Returns how many tokens came from saved state; _Cancelled if the job is
-        cancelled meanwhile."""
+        new tokens, as the engine's own. The KV caches are sized for the prompt and `max_tokens` first. Returns how
+        many tokens came from saved state; _Cancelled if the job is cancelled meanwhile."""
         s, n = self.session, len(ids)
         held = s.tokens
         live = len(held) if 0 < len(held) < n and held == ids[:len(held)] else 0
@@ -296,6 +296,7 @@ class Engine:
         elif live == 0:
             s.reset()
         cached = s.core.position
+        s.reserve(n - cached + max_tokens)  # the KV caches once for the prompt and the reply, not per part
         opening = self._first_turn_end(ids)
         if self.cache is not None and cached < opening < n:
             s.feed(ids[cached:opening], progress=self._watch(job))  # no logits: nobody reads them
