@@ -263,6 +263,10 @@ CASES = [
     Case("qmm", dict(T=512, N=2048, K=4096), tags=("model",)),
     Case("qmm", dict(T=256, N=256, K=2048, bits=8, y_f32=True), tags=("model",)),
     Case("qmm", dict(T=9, N=512, K=2048), tags=("model",)),
+    # a 14-token prompt tail (switch qmv_passes: two GEMV passes of 8 and 6 tokens)
+    Case("qmm", dict(T=14, N=8192, K=2048), tags=("model",)),
+    Case("qmm", dict(T=16, N=2048, K=4096, y_f32=True), tags=("model",)),
+    Case("qmm_multi", dict(T=14, K=2048, Ns=(8192, 4096, 32, 32)), tags=("model",)),
     Case("qmm", dict(T=4096, N=32, K=2048), tags=("model",)),  # the GDN gate projections of a prefill chunk
     # odd shapes: rows and columns off every tile, 8-bit, other group sizes
     Case("qmm", dict(T=3, N=40, K=128), tags=("edge",)),
@@ -270,7 +274,7 @@ CASES = [
     Case("qmm", dict(T=130, N=96, K=128, bits=8), tags=("edge",)),
     Case("qmm", dict(T=33, N=65, K=256, group=32), tags=("edge",)),
     Case("qmm", dict(T=2, N=491, K=128, y_f32=True), tags=("edge",)),
-    Case("qmm", dict(T=12, N=70, K=128, bits=8), tags=("edge",)),  # small-tile GEMM, 8-bit
+    Case("qmm", dict(T=12, N=70, K=128, bits=8), tags=("edge",)),  # two GEMV passes, or (switch off) the small-tile GEMM
     # the Hopper GEMM (switch wgmma): 128- and 64-token tiles, odd k-steps, a partial last token tile,
     # columns off the 256-row tile, an odd N (no 16-byte output rows), scales loaded (K/group not a multiple of 8)
     Case("qmm", dict(T=513, N=11264, K=128, y_f32=True), tags=("edge",)),

@@ -71,6 +71,8 @@ void launch(const Ctx& ctx, void (*kernel)(Params...), dim3 grid, dim3 block, si
 
 // Largest T handled by the GEMV path (one pass over the weights, x in registers); above it, tensor-core GEMM.
 constexpr int kQmvMaxT = 8;
+// Largest T that goes to GEMV passes of ≤ kQmvMaxT tokens each under the switch qmv_passes (ops.cuh, qmv_passes).
+constexpr int kQmvPassesMaxT = 2 * kQmvMaxT;
 
 __host__ __device__ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -118,10 +118,10 @@ class CudaBackend final : public Backend {
     cuda::qmm(ctx_, W, cb(x), T, y, y_f32);
   }
   void qmm_multi(const QMatrix* W, int n, const void* x, int T, void* const* y) override {
-    bool same = T <= kQmvMaxT;
+    bool same = cuda::qmv_takes(ctx_, T) && n <= 4;
     for (int i = 1; i < n; ++i) same = same && W[i].K == W[0].K && W[i].bits == W[0].bits && W[i].group == W[0].group;
     if (same)
-      cuda::qmv_multi(ctx_, W, n, cb(x), T, y, false);
+      cuda::qmv_passes(ctx_, W, n, cb(x), T, y, false);
     else
       Backend::qmm_multi(W, n, x, T, y);
   }

@@ -15,6 +15,13 @@ void add_rms_norm(Ctx& ctx, float* x, const bf16* d, const float* w, int T, int 
 // matrices of equal K, bits and group size that read the same x, in one launch.
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
 void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32);
+// qmv.cu: whether T tokens go to qmv (T ≤ kQmvMaxT), or to qmv_passes (switch qmv_passes, T ≤ kQmvPassesMaxT).
+bool qmv_takes(const Ctx& ctx, int T);
+// qmv.cu: qmv_multi in passes of ≤ kQmvMaxT tokens, each streaming W once: a short prompt tail (the 14-token assistant
+// header after a server's opening-turn snapshot) reads the weights twice at full bandwidth instead of running the
+// tile GEMMs, whose grid there is N/256 blocks (a quarter of the SMs) and which are latency-bound (32 µs for the
+// 8 MB of an 8192 × 2048 projection at T = 14, H200).
+void qmv_passes(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32);
 // qmm.cu: any T; T ≤ kQmvMaxT goes to qmv, larger T to the tensor-core GEMM that dequantises one weight tile at a
 // time into shared memory.
 void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);

@@ -340,8 +340,8 @@ void check_out_alignment(const char* op, const void* y, int N, int elem_bytes) {
 }  // namespace
 
 void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) {
-  if (T <= kQmvMaxT) {
-    qmv(ctx, W, x, T, y, y_f32);
+  if (qmv_takes(ctx, T)) {
+    qmv_passes(ctx, &W, 1, x, T, &y, y_f32);
     return;
   }
   check_qmm(W, x, y);

@@ -431,4 +431,18 @@ void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) 
   qmv_multi(ctx, &W, 1, x, T, &y, y_f32);
 }
 
+bool qmv_takes(const Ctx& ctx, int T) {
+  return T <= kQmvMaxT || (T <= kQmvPassesMaxT && ctx.opts.on(Opt::qmv_passes));
+}
+
+void qmv_passes(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
+  LILY_CHECK(n >= 1 && n <= 4, "qmv: ", n, " matrices (1 to 4)");
+  const size_t elem = y_f32 ? sizeof(float) : sizeof(bf16);
+  for (int t0 = 0; t0 < T; t0 += kQmvMaxT) {
+    void* y[4];
+    for (int i = 0; i < n; ++i) y[i] = static_cast<char*>(ys[i]) + size_t(t0) * Ws[i].N * elem;
+    qmv_multi(ctx, Ws, n, x + size_t(t0) * Ws[0].K, std::min(kQmvMaxT, T - t0), y, y_f32);
+  }
+}
+
 }  // namespace lily::cuda
