@@ -31,8 +31,8 @@ enum class Opt : int {
                      //   e.g. the assistant header the server prefills after snapshotting a new conversation's
                      //   opening turn). Metal's GEMV takes up to 8 tokens too; not ported (benchmarks/NOTES.md, Metal)
   attn_wgmma,        // CUDA: prefill attention on Hopper's wgmma (S and P·V as warpgroup MMAs, the next tile's S
-                     //   overlapping this tile's P·V) instead of the mma.sync flash kernel. Metal has no asynchronous
-                     //   MMA: its attention uses simdgroup matrices already (metal/attention.metal)
+                     //   overlapping this tile's P·V) instead of the mma.sync flash kernel. Not on Metal: no asynchronous
+                     //   MMA to overlap with (benchmarks/NOTES.md, Metal)
   kCount
 };
 

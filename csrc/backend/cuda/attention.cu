@@ -29,6 +29,9 @@
 //            prefill (T·G > 16): RW=8, KW=1, NSTAGE=2 (8 warps, 128 rows, 198 KB smem, 255 regs, no spills);
 //            decode (T·G ≤ 16): RW=1, KW=4, NSTAGE=3 (4 warps split every tile's keys and merge through shared
 //            memory at the end; 206 KB smem, 185 regs). Both: one block per SM.
+//          attn_wgmma<HD> (prefill on sm_90a, switch attn_wgmma, HD % 64 == 0; the same grid, rows and partials):
+//            2 warpgroups × 64 rows; S by wgmma m64n64k16 (Q, K from shared memory), P·V by wgmma with P in registers
+//            and V N-major; tile it+1's S overlaps tile it's P·V (see the kernel; 254 regs, 193 KB smem).
 //          Causal: a warp skips sub-tiles past its last row's limit, masks only sub-tiles that cross its first
 //          row's limit; a block stops at its last row's limit. Heavy (late) row tiles launch first.
 //          Split-K: grid.z = S splits of the key range, each a multiple of kBC keys long, sized in the kernel from
@@ -45,6 +48,8 @@
 // History  v1 (this), H200, real shapes, per layer: prefill 4K from 0 633 µs (217 TFLOP/s incl. prep), 2K chunk
 //          at 8K 1.23 ms (252 TFLOP/s); decode T=1 (CUDA graph) 13.5 µs at 4K (latency-bound: prep ~2.8 µs, main
 //          + combine ~10 µs), 78 µs at 128K (3.4 TB/s of K/V).
+//          v2 (2026-12-02) attn_wgmma for prefill: the 4096-token chunk after 28,672 tokens 5.38 ms per layer
+//          (383 TFLOP/s; mma.sync ~250); 32K / 128K prefill end to end +10 % / +24 % (benchmarks/NOTES.md v7).
 #include "backend/checks.h"
 #include "backend/cuda/ops.cuh"
 #include "backend/cuda/wgmma.cuh"

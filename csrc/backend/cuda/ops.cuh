@@ -22,8 +22,8 @@ bool qmv_takes(const Ctx& ctx, int T);
 // tile GEMMs, whose grid there is N/256 blocks (a quarter of the SMs) and which are latency-bound (32 µs for the
 // 8 MB of an 8192 × 2048 projection at T = 14, H200).
 void qmv_passes(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32);
-// qmm.cu: any T; T ≤ kQmvMaxT goes to qmv, larger T to the tensor-core GEMM that dequantises one weight tile at a
-// time into shared memory.
+// qmm.cu: any T; T ≤ kQmvMaxT goes to qmv (≤ kQmvPassesMaxT to qmv_passes, switch qmv_passes), larger T to the
+// tensor-core GEMM that dequantises one weight tile at a time into shared memory.
 void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
 // qmm.cu: grouped GEMM over the experts of a stack (MoE prefill). Routed rows are sorted by expert: expert e owns
 // rows r ∈ [offsets[e], offsets[e+1]) (device int32 [E+1]); row r reads x[rows[r]] (rows == null: x[r]).

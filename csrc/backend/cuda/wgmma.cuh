@@ -1,5 +1,6 @@
 // wgmma.cuh: the Hopper (sm_90a) warpgroup MMA, its shared-memory descriptors and fences, for the kernels built for
-// sm_90a: qmm_sm90.cu (the 4-bit GEMMs) and attention.cu (the prefill attention on wgmma). Private to those files.
+// sm_90a: qmm_sm90.cu (the 4-bit GEMMs) and attention.cu (the prefill attention on wgmma); and the 128-byte swizzle,
+// which qmm.cu's mma.sync tiles use too (through gemm.cuh). Private to those files.
 //
 // Shapes   d[64 × N] (+)= a[64 × 16] · b[16 × N], bf16 inputs, fp32 accumulators, N ∈ {16, 32, 64, 128}. The
 //          accumulators are the m16n8 C layout per warp (warp w of the warpgroup rows 16w .. 16w + 15): d[4j + e] is
