@@ -45,7 +45,7 @@
 //          RoPE angles reach 10^5 rad: they are reduced mod 2π in double before sincosf (fast-math safe).
 // Ref      cpu/attention.cpp · Test tests/ops/test_ops.py (op "attention"), tests/test_cuda.py · Bench
 //          benchmarks/bench_ops.py -o attention
-// History  v1 (this), H200, real shapes, per layer: prefill 4K from 0 633 µs (217 TFLOP/s incl. prep), 2K chunk
+// History  v1, H200, real shapes, per layer: prefill 4K from 0 633 µs (217 TFLOP/s incl. prep), 2K chunk
 //          at 8K 1.23 ms (252 TFLOP/s); decode T=1 (CUDA graph) 13.5 µs at 4K (latency-bound: prep ~2.8 µs, main
 //          + combine ~10 µs), 78 µs at 128K (3.4 TB/s of K/V).
 //          v2 (2026-12-02) attn_wgmma for prefill: the 4096-token chunk after 28,672 tokens 5.38 ms per layer
@@ -342,6 +342,29 @@ __device__ __forceinline__ void store_rows(const KArgs& a, int kvh, int wrow, co
   }
 }
 
+// The key range of block (blockIdx.x, ·, blockIdx.z) of BM packed rows, in tiles of BC keys. Late rows see the most
+// keys, so they launch first; the block stops at its last row's limit and its split's end. ntiles = 0: the split
+// lies past the live range (the whole block returns).
+struct BlockKeys {
+  int pos0, nrows, r0, k0, kend, ntiles;
+};
+__device__ __forceinline__ BlockKeys block_keys(const KArgs& a, int BM, int BC) {
+  BlockKeys b;
+  b.pos0 = cur_pos0(a);
+  b.nrows = a.T * a.G;
+  const int chunk = split_chunk(b.pos0 + a.T, a.S);
+  b.r0 = (gridDim.x - 1 - blockIdx.x) * BM;
+  const int t_hi = min(a.T - 1, (b.r0 + BM - 1) / a.G);
+  b.k0 = blockIdx.z * chunk;
+  b.kend = min(min(b.k0 + chunk, b.pos0 + t_hi + 1), a.cache_cap);
+  b.ntiles = b.k0 < b.kend ? (b.kend - b.k0 + BC - 1) / BC : 0;
+  return b;
+}
+// Element offset of dims c·8 .. c·8 + 7 of packed row r (kv head kvh) in the normalised q [T, NH, HD].
+__device__ __forceinline__ size_t q_at(const KArgs& a, int kvh, int r, int c) {
+  return (size_t(r / a.G) * a.NH + kvh * a.G + r % a.G) * a.HD + c * 8;
+}
+
 // grid (row tiles, NKV, S); block RW·KW warps; NSTAGE K/V tiles in flight. See the header for the mapping.
 template <int HD, int RW, int KW, int NSTAGE>
 __global__ void __launch_bounds__(32 * RW * KW, 1)
@@ -360,21 +383,17 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wr = warp / KW, wk = warp % KW;
   const int g = lane >> 2, tig = lane & 3;
-  const int pos0 = cur_pos0(a), nrows = a.T * a.G, kvh = blockIdx.y;
-  const int chunk = split_chunk(pos0 + a.T, a.S);
-  const int r0 = (gridDim.x - 1 - blockIdx.x) * BM;  // late rows see the most keys: launch them first
-  const int t_hi = min(a.T - 1, (r0 + BM - 1) / a.G);
-  const int k0 = blockIdx.z * chunk;
-  const int kend = min(min(k0 + chunk, pos0 + t_hi + 1), a.cache_cap);
-  if (k0 >= kend) return;  // whole block: this split lies past the live range
-  const int ntiles = (kend - k0 + kBC - 1) / kBC;
+  const BlockKeys bk = block_keys(a, BM, kBC);
+  if (bk.ntiles == 0) return;  // whole block
+  const int pos0 = bk.pos0, nrows = bk.nrows, r0 = bk.r0, k0 = bk.k0, kend = bk.kend, ntiles = bk.ntiles;
+  const int kvh = blockIdx.y;
 
   // Q tile (zero rows past nrows) joins the first K/V tile's cp.async group. Tile i lives in group i (empty
   // groups keep the count uniform), so waiting for all but the newest NSTAGE−1 groups lands tile it.
   for (int i = tid; i < BM * CH; i += NT) {
     const int row = i / CH, c = i % CH, r = r0 + row;
     const bool ok = r < nrows;
-    const size_t src = ok ? (size_t(r / a.G) * a.NH + kvh * a.G + r % a.G) * HD + c * 8 : 0;
+    const size_t src = ok ? q_at(a, kvh, r, c) : 0;
     cp_async16(qs + row * LD + c * 8, q + src, ok);
   }
   auto load_kv = [&](int it) {  // tile it into stage it mod NSTAGE; keys ≥ kend are zero-filled
@@ -523,19 +542,15 @@ __global__ void __launch_bounds__(256, 1)
   char* smem = aligned_1k(smem_raw, sbase);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int g = lane >> 2, tig = lane & 3;
-  const int pos0 = cur_pos0(a), nrows = a.T * a.G, kvh = blockIdx.y;
-  const int chunk = split_chunk(pos0 + a.T, a.S);
-  const int r0 = (gridDim.x - 1 - blockIdx.x) * kWgRows;  // late rows see the most keys: launch them first
-  const int t_hi = min(a.T - 1, (r0 + kWgRows - 1) / a.G);
-  const int k0 = blockIdx.z * chunk;
-  const int kend = min(min(k0 + chunk, pos0 + t_hi + 1), a.cache_cap);
-  if (k0 >= kend) return;  // whole block: this split lies past the live range
-  const int ntiles = (kend - k0 + kWgKeys - 1) / kWgKeys;
+  const BlockKeys bk = block_keys(a, kWgRows, kWgKeys);
+  if (bk.ntiles == 0) return;  // whole block
+  const int pos0 = bk.pos0, nrows = bk.nrows, r0 = bk.r0, k0 = bk.k0, kend = bk.kend, ntiles = bk.ntiles;
+  const int kvh = blockIdx.y;
 
   for (int i = tid; i < kWgRows * CH; i += 256) {  // Q, zero rows past nrows
     const int row = i / CH, c = i % CH, r = r0 + row;
     const bool ok = r < nrows;
-    const size_t src = ok ? (size_t(r / a.G) * a.NH + kvh * a.G + r % a.G) * HD + c * 8 : 0;
+    const size_t src = ok ? q_at(a, kvh, r, c) : 0;
     cp_async16(smem + wg_off(kWgRows, row, c), q + src, ok);
   }
   auto load = [&](const bf16* cache, int off, int it) {  // tile it of K or V at byte offset off; keys ≥ kend zero
