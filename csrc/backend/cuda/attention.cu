@@ -202,6 +202,49 @@ __global__ void __launch_bounds__(32 * kPrepWarps) attn_prep_kernel(const KArgs 
   }
 }
 
+// The online softmax of one key tile for a thread's rows g and g + 8, s[4j + e] (j < NJ) being row g + 8·(e/2) and key
+// kb + 8j + 2·tig + e mod 2 (the m16n8 C layout), in two halves. softmax_max: s scaled into the log2 domain and
+// masked (keys ≥ lim[row], when mask); the running max m and sum l updated; base[i] the exponent base of row i, and
+// scale(i, alpha) called with the factor for its earlier O. A row with nothing visible yet keeps p = 0, never NaN.
+// softmax_exp: s replaced by p = 2^(s − base), added to l (the thread's partial sum; the quad reduces it at the end).
+template <int NJ, typename Scale>
+__device__ __forceinline__ void softmax_max(float* s, int kb, const int* lim, bool mask, float sl2, float* m,
+                                            float* l, float* base, Scale&& scale) {
+  const int tig = threadIdx.x & 3;
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[4 * j + e] * sl2;
+      if (mask && kb + j * 8 + 2 * tig + (e & 1) >= lim[e >> 1]) x = -INFINITY;
+      s[4 * j + e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);
+    }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    const float mn = fmaxf(m[i], mx[i]);
+    base[i] = mn == -INFINITY ? 0.0f : mn;
+    const float alpha = exp2f(m[i] - base[i]);
+    m[i] = mn;
+    l[i] *= alpha;
+    scale(i, alpha);
+  }
+}
+template <int NJ>
+__device__ __forceinline__ void softmax_exp(float* s, const float* base, float* l) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = exp2f(s[4 * j + e] - base[e >> 1]);
+      s[4 * j + e] = p;
+      l[e >> 1] += p;
+    }
+}
+
 // ---- attention: one warp's 16 rows against its NK keys of the current tile --------------------------------
 // qs: the warp's 16 Q rows, ks/vs: its NK K/V rows (shared, stride LD). kb: absolute index of key row 0.
 // lim[i]: keys < lim[i] are visible to the thread's row g + 8i (g = lane / 4). mask: some key may be ≥ a limit.
@@ -209,7 +252,7 @@ template <int HD, int NK>
 __device__ __forceinline__ void warp_tile(const bf16* qs, const bf16* ks, const bf16* vs, int kb, const int* lim,
                                           bool mask, float sl2, float (&o)[HD / 8][4], float* m, float* l) {
   constexpr int LD = HD + 8;
-  const int lane = threadIdx.x & 31, tig = lane & 3;
+  const int lane = threadIdx.x & 31;
   float s[NK / 8][4];
 #pragma unroll
   for (int j = 0; j < NK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
@@ -228,43 +271,16 @@ __device__ __forceinline__ void warp_tile(const bf16* qs, const bf16* ks, const 
       mma_bf16(s[2 * n + 1], qa4, b[2], b[3]);
     }
   }
-  // Scale into the log2 domain, mask, and update the running max / sum (rows g and g+8; quad-wide reduction).
-  float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int j = 0; j < NK / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float x = s[j][e] * sl2;
-      if (mask && kb + j * 8 + 2 * tig + (e & 1) >= lim[e >> 1]) x = -INFINITY;
-      s[j][e] = x;
-      mx[e >> 1] = fmaxf(mx[e >> 1], x);
-    }
-  }
+  // The online softmax, the earlier O rescaled as each row's new maximum is known.
   float base[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    const float mn = fmaxf(m[i], mx[i]);
-    base[i] = mn == -INFINITY ? 0.0f : mn;  // a row with nothing visible yet keeps p = 0, never NaN
-    const float alpha = exp2f(m[i] - base[i]);
-    m[i] = mn;
-    l[i] *= alpha;
+  softmax_max<NK / 8>(&s[0][0], kb, lim, mask, sl2, m, l, base, [&](int i, float alpha) {
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n) {
       o[n][2 * i] *= alpha;
       o[n][2 * i + 1] *= alpha;
     }
-  }
-#pragma unroll
-  for (int j = 0; j < NK / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float p = exp2f(s[j][e] - base[e >> 1]);
-      s[j][e] = p;
-      l[e >> 1] += p;  // per-thread partial sum; the quad reduces it at the end
-    }
-  }
+  });
+  softmax_exp<NK / 8>(&s[0][0], base, l);
   // O += P·V: A = P from the S accumulators, B[k=key][n=d] = V[key][d] (ldmatrix.trans).
   const bf16* vbp = vs + (lane & 15) * LD + (lane >> 4) * 8;
 #pragma unroll
@@ -541,7 +557,7 @@ __global__ void __launch_bounds__(256, 1)
   uint32_t sbase;
   char* smem = aligned_1k(smem_raw, sbase);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-  const int g = lane >> 2, tig = lane & 3;
+  const int g = lane >> 2;
   const BlockKeys bk = block_keys(a, kWgRows, kWgKeys);
   if (bk.ntiles == 0) return;  // whole block
   const int pos0 = bk.pos0, nrows = bk.nrows, r0 = bk.r0, k0 = bk.k0, kend = bk.kend, ntiles = bk.ntiles;
@@ -606,40 +622,14 @@ __global__ void __launch_bounds__(256, 1)
         Wgmma<PN>::template rs<1>(o + h * PN / 2, p[kk], dv + (kk * 2048 + h * (PN / 64) * L::kBlk) / 16, 1);
     wgmma_commit();
   };
-  // Scale into the log2 domain, mask, update the running max / sum; p = the bf16 A fragments of P, alpha the
-  // factor for O. A row with nothing visible yet keeps p = 0, never NaN.
+  // The online softmax of tile it (alpha: the factor for O, applied once this tile's P·V is retired), then p = the
+  // bf16 A fragments of P.
   auto softmax = [&](int it, uint32_t(&p)[4][4]) {
     const int kb = k0 + it * kWgKeys;
-    const bool mask = kb + kWgKeys > lim_lo;
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < kWgKeys / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * j + e] * a.sl2;
-        if (mask && kb + j * 8 + 2 * tig + (e & 1) >= lim[e >> 1]) x = -INFINITY;
-        s[4 * j + e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-      }
     float base[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-      const float mn = fmaxf(m[i], mx[i]);
-      base[i] = mn == -INFINITY ? 0.0f : mn;
-      alpha[i] = exp2f(m[i] - base[i]);
-      m[i] = mn;
-      l[i] *= alpha[i];
-    }
-#pragma unroll
-    for (int j = 0; j < kWgKeys / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pe = exp2f(s[4 * j + e] - base[e >> 1]);
-        s[4 * j + e] = pe;
-        l[e >> 1] += pe;
-      }
+    softmax_max<kWgKeys / 8>(s, kb, lim, kb + kWgKeys > lim_lo, a.sl2, m, l, base,
+                             [&](int i, float f) { alpha[i] = f; });
+    softmax_exp<kWgKeys / 8>(s, base, l);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
