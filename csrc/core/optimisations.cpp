@@ -30,6 +30,12 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::attn_wgmma, "attn_wgmma", "cuda",
        "prefill attention on Hopper's wgmma, the next key tile's scores computed while this tile's P·V runs, instead "
        "of the mma.sync flash kernel"},
+      {Opt::gdn_wy_mma, "gdn_wy_mma", "cuda",
+       "chunked Gated DeltaNet prefill: each chunk's WY form with K·Kᵀ and Q·Kᵀ on tensor cores, its operands "
+       "copied in one batch and a right-looking triangular solve, instead of fp32 products and a left-looking solve"},
+      {Opt::moe_shared_stream, "moe_shared_stream", "cuda",
+       "MoE prefill: the shared expert's GEMMs on a second stream beside the router, the routing, the sort and the "
+       "routed experts, instead of after them"},
   };
   return table;
 }

@@ -33,6 +33,12 @@ enum class Opt : int {
   attn_wgmma,        // CUDA: prefill attention on Hopper's wgmma (S and P·V as warpgroup MMAs, the next tile's S
                      //   overlapping this tile's P·V) instead of the mma.sync flash kernel. Not on Metal: no asynchronous
                      //   MMA to overlap with (benchmarks/NOTES.md, Metal)
+  gdn_wy_mma,        // CUDA: the chunked GDN's per-chunk WY form with its products on tensor cores, its operands copied
+                     //   in one cp.async batch and a right-looking triangular solve, instead of fp32 products and a
+                     //   left-looking solve. Metal's gdn_wy has simdgroup-matrix products already (benchmarks/NOTES.md)
+  moe_shared_stream, // CUDA: a prefill chunk's shared expert (three GEMMs) on a second stream beside the router, the
+                     //   routing, the sort and the routed GEMMs. Metal: its concurrent encoder already overlaps
+                     //   independent dispatches (metal_backend.mm)
   kCount
 };
 

@@ -317,6 +317,9 @@ CASES = [
     *[Case("gdn_scan", dict(T=t, **_gdn_real), tags=("model",)) for t in (63, 65, 130)],
     Case("gdn_scan", dict(T=40, NK=4, NV=8, DK=32, DV=64), tags=("edge",)),
     Case("gdn_scan", dict(T=200, NK=2, NV=2, DK=64, DV=32), tags=("edge",)),
+    # the chunk scan over three row blocks (DV = 96) with a partial last chunk; and 16 chunks of the real shapes
+    Case("gdn_scan", dict(T=150, NK=2, NV=4, DK=64, DV=96), tags=("edge",)),
+    Case("gdn_scan", dict(T=1000, **_gdn_real), tags=("model",)),
     Case("gdn_norm", dict(T=1, **_gdn_real), tags=("model",)),
     Case("gdn_norm", dict(T=33, NK=2, NV=4, DK=32, DV=64), tags=("edge",)),
     # MoE: decode, prefill, odd geometries, and routing skewed onto the same experts (1, 2, 127 rows each)

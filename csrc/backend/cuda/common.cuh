@@ -41,7 +41,18 @@ struct Ctx {
   void* buf[kNumSlots] = {};
   size_t cap[kNumSlots] = {};
   bool capturing = false;
+
+  // A second stream for independent work beside `stream` (fork_side / join_side); a Ctx for it (side = true) shares
+  // this one's settings and allocates no scratch.
+  cudaStream_t side_stream = nullptr;
+  cudaEvent_t side_fork = nullptr, side_join = nullptr;
+  bool side = false;
 };
+
+// Work on the side stream: the returned Ctx's kernels start after everything enqueued on ctx.stream so far.
+Ctx fork_side(const Ctx& ctx);
+// ctx.stream waits for everything enqueued on the side stream so far.
+void join_side(const Ctx& ctx);
 
 // ---- programmatic dependent launch (PDL, sm_90) ----------------------------------------------------------------
 // In the replayed decode step with the `pdl` switch on (Ctx::pdl), every kernel is launched with programmatic stream

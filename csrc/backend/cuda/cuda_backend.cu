@@ -11,6 +11,7 @@ namespace lily {
 namespace cuda {
 
 void* Ctx::scratch(int slot, size_t bytes) {
+  LILY_ASSERT(!side, "scratch slot ", slot, " requested on the side stream (take it before fork_side)");
   if (cap[slot] >= bytes) return buf[slot];
   LILY_ASSERT(!capturing, "scratch slot ", slot, " must grow to ", bytes, " bytes during graph capture");
   LILY_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -20,6 +21,20 @@ void* Ctx::scratch(int slot, size_t bytes) {
   LILY_CUDA_CHECK(cudaMalloc(&buf[slot], grown));
   cap[slot] = grown;
   return buf[slot];
+}
+
+Ctx fork_side(const Ctx& ctx) {
+  LILY_CUDA_CHECK(cudaEventRecord(ctx.side_fork, ctx.stream));
+  LILY_CUDA_CHECK(cudaStreamWaitEvent(ctx.side_stream, ctx.side_fork, 0));
+  Ctx s = ctx;
+  s.stream = ctx.side_stream;
+  s.side = true;
+  return s;
+}
+
+void join_side(const Ctx& ctx) {
+  LILY_CUDA_CHECK(cudaEventRecord(ctx.side_join, ctx.side_stream));
+  LILY_CUDA_CHECK(cudaStreamWaitEvent(ctx.stream, ctx.side_join, 0));
 }
 
 namespace {
@@ -34,6 +49,9 @@ class CudaBackend final : public Backend {
     cudaDeviceProp prop;
     LILY_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     LILY_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_.stream, cudaStreamNonBlocking));
+    LILY_CUDA_CHECK(cudaStreamCreateWithFlags(&ctx_.side_stream, cudaStreamNonBlocking));
+    LILY_CUDA_CHECK(cudaEventCreateWithFlags(&ctx_.side_fork, cudaEventDisableTiming));
+    LILY_CUDA_CHECK(cudaEventCreateWithFlags(&ctx_.side_join, cudaEventDisableTiming));
     ctx_.num_sms = prop.multiProcessorCount;
     ctx_.smem_optin = prop.sharedMemPerBlockOptin;
     ctx_.sm90a = prop.major == 9 && prop.minor == 0;
@@ -49,6 +67,9 @@ class CudaBackend final : public Backend {
     for (void* p : mem_.live()) cudaFree(p);
     for (int s = 0; s < kNumSlots; ++s)
       if (ctx_.buf[s]) cudaFree(ctx_.buf[s]);
+    cudaEventDestroy(ctx_.side_join);
+    cudaEventDestroy(ctx_.side_fork);
+    cudaStreamDestroy(ctx_.side_stream);
     cudaStreamDestroy(ctx_.stream);
   }
 

@@ -32,7 +32,7 @@
 //            at a time per chunk.
 //            Real model: 32 heads × 4 row blocks = 128 blocks; the state is read and written once per call.
 //          chunked scan (T ≥ kChunkMinT, switch gdn_chunked): see "chunked prefill" below (the WY form per 64 tokens,
-//            gdn_wy_kernel then gdn_chunk_scan_kernel on the tensor cores).
+//            gdn_wy_mma_kernel (or gdn_wy_kernel) then gdn_chunk_scan_kernel on the tensor cores).
 //          norm: one warp per (token, value head), 4 adjacent values per lane per 128.
 // Checks   conv: C % 4 == 0, 1 ≤ K ≤ 9, T ≥ 0, x/out/state 8-byte aligned (8 channels per thread only where C % 8 == 0
 //          and they are 16-byte aligned).  scan: DK ∈ {32, 64, 128}, DV % 8 == 0, NV % NK == 0, c and y 16-byte
@@ -46,8 +46,13 @@
 //          SIMT, 8 lanes per state row (1.55 ms: 64 latency-bound steps per chunk); one fused kernel for a decode
 //          token (conv, norms, gates, state, gated norm; arrival counters): 9.2 µs against 4 kernels of 15 µs in ncu,
 //          no gain in the replayed step (+0.3 %).
-//          v3 (current, 2026-12-02), ncu at T = 4096 per layer: gdn_chunk_scan on 8 warps 376 → 348 µs; gdn_wy with
+//          v3 (2026-12-02), ncu at T = 4096 per layer: gdn_chunk_scan on 8 warps 376 → 348 µs; gdn_wy with
 //          16-byte shared loads 337 → 321 µs; gdn_conv with 8 channels per thread for a prefill chunk 102 → 88.5 µs.
+//          v4 (current, 2026-12-02), same measure: gdn_wy_mma_kernel (switch gdn_wy_mma) 324 → 190 µs; gdn_chunk_scan
+//          on 16 warps with the state in registers, 16-byte fragment loads and three barriers per chunk 351 → 318 µs.
+//          Tried and removed: the chunk scan prefetching chunk c + 2's operands into L2 (cp.async.bulk.prefetch),
+//          351 → 403 µs; W = (I + A)⁻¹·B as a tf32 GEMM after inverting by columns, 192 → 189 µs (not worth the
+//          rounding: the solve is exact fp32).
 #include <type_traits>
 
 #include "backend/cuda/ops.cuh"
@@ -384,7 +389,7 @@ __global__ void __launch_bounds__(kNormWarps * 32) gdn_norm_kernel(const bf16* y
 constexpr int kChunk = kGdnChunk;            // tokens per chunk (L)
 constexpr int kWyThreads = kGdnChunkMaxCols; // gdn_wy_kernel: one thread per column of [V | K̂] in the solve
 constexpr int kCsRows = kGdnChunkRows;       // gdn_chunk_scan_kernel: state rows per block
-constexpr int kCsThreads = 256;    // 8 warps
+constexpr int kCsThreads = 512;    // 16 warps
 
 struct ChunkArgs {
   const float* qk;      // [NK, T, 2·DK] q̂ then k̂ (gdn_scan_prep_kernel)
@@ -398,6 +403,33 @@ struct ChunkArgs {
   bf16* y;              // [T, NV·DV]
   int T, NK, NV, DV, C, nc;
 };
+
+// λ_t = Σ_{s≤t} ln g_s and β_t of chunk tokens t0 .. t0 + L − 1 of value head h into shared memory, by warp 0: lane l
+// owns tokens 2l and 2l + 1 (padding past nt: ln g = 0, β = 0, which changes nothing).
+__device__ __forceinline__ void chunk_gates(const ChunkArgs& a, int h, int t0, int nt, float* sLam, float* sBeta) {
+  static_assert(kChunk == 64, "two tokens per lane of one warp");
+  const int tid = threadIdx.x;
+  if (tid >= 32) return;
+  float lg[2], be[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int t = 2 * tid + u;
+    const float4 gt = t < nt ? a.gates[size_t(h) * a.T + t0 + t] : make_float4(1.0f, 0.0f, 0.0f, 0.0f);
+    lg[u] = gt.w;  // ln g
+    be[u] = gt.y;
+  }
+  float incl = lg[0] + lg[1];
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (tid >= o) incl += v;
+  }
+  const float before = incl - (lg[0] + lg[1]);
+  sLam[2 * tid] = before + lg[0];
+  sLam[2 * tid + 1] = incl;
+  sBeta[2 * tid] = be[0];
+  sBeta[2 * tid + 1] = be[1];
+}
 
 // Block = (chunk c, value head h), 256 threads. k̂, q̂ of the chunk in shared memory (rows padded to 16 bytes);
 // thread (ti, tj) computes the 4×4 tile t = ti + 16a, i = tj + 16b of K̂K̂ᵀ and Q̂K̂ᵀ; then thread j solves column j
@@ -431,27 +463,7 @@ __global__ void __launch_bounds__(kWyThreads, 1) gdn_wy_kernel(const __grid_cons
                                                                  size_t(h) * a.DV + j])
                                     : uint16_t(0);
   }
-  if (tid < 32) {  // λ_t = Σ_{s≤t} ln g_s: lane l owns tokens 2l, 2l + 1 (padding: ln g = 0, β = 0)
-    float lg[2], be[2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int t = 2 * tid + u;
-      const float4 gt = t < nt ? a.gates[size_t(h) * a.T + t0 + t] : make_float4(1.0f, 0.0f, 0.0f, 0.0f);
-      lg[u] = gt.w;  // ln g
-      be[u] = gt.y;
-    }
-    float incl = lg[0] + lg[1];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (tid >= o) incl += v;
-    }
-    const float before = incl - (lg[0] + lg[1]);
-    sLam[2 * tid] = before + lg[0];
-    sLam[2 * tid + 1] = incl;
-    sBeta[2 * tid] = be[0];
-    sBeta[2 * tid + 1] = be[1];
-  }
+  chunk_gates(a, h, t0, nt, sLam, sBeta);
   __syncthreads();
 
   {  // K̂K̂ᵀ → A (strictly lower, scaled), Q̂K̂ᵀ → P (lower with the diagonal, scaled); thread (ti, tj) owns rows
@@ -551,36 +563,158 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Block = (value head h, state rows r0 = 32·block.y ..), 8 warps; the block's state rows S [32, DK] live in shared
-// memory (fp32) for the whole call. Chunk after chunk, three products on the tensor cores (tf32 operands, fp32
-// accumulators; the state itself is only ever rounded as an operand, never stored rounded):
-//   phase 1 (operands W2, Q̂, W1 tile): [W2; Q̂]·Sᵀ (M = 2L, N = 32, K = DK), warps 0–3 the W2 rows → U = W1 − W2·Sᵀ,
-//            warps 4–7 the Q̂ rows → X2 = Q̂·Sᵀ, 16 rows each;
-//   phase 2 (operands P, K̂, λ): Y = diag(e^λ)·X2 + P·U (M = L, N = 32, K = L, the blocks above P's diagonal
-//            skipped), warp w one n8 column tile of two row tiles (3 and 0, or 2 and 1: the same k-steps for all);
-//            and S ← e^{λ_L}·S + Uᵀ·diag(e^{λ_L−λ})·K̂ (M = 32, N = DK, K = L), warp w 16 rows × DK/4 columns.
-//   (4 warps, each with twice the tiles: 376 µs per layer at T = 4096 in ncu, one block of 4 warps per SM.)
-// The two operand sets live in separate shared buffers, each refilled by cp.async while the other phase computes.
-// Shared rows are padded (row strides ≡ 4 or 8 mod 32 words) so that every fragment load is conflict-free.
+// gdn_wy_mma_kernel (switch gdn_wy_mma): gdn_wy_kernel's outputs with its three costs removed (ncu at T = 4096,
+// real shapes: 321 µs per layer for ~330 MB of traffic, ~3× its memory floor; this kernel 190 µs). Block = (chunk c,
+// value head h), 256 threads, two blocks per SM.
+// - Loads: q̂, k̂ (fp32) and v (bf16) of the chunk in one batch of 16-byte cp.async (was a scalar loop of dependent
+//   round trips), the gates read by warp 0 while they land.
+// - K̂K̂ᵀ and Q̂K̂ᵀ as tf32 m16n8k8 (the chunk scan's precision; was 4,096 fp32 FMAs per thread): warp w rows
+//   16·(w % 4) .. + 15, columns 32·(w / 4) .. + 31, sharing K̂'s B fragments; n8 tiles wholly above the diagonal
+//   skipped (their A and P are zero). A is stored transposed (sAT[i][t] = A[t, i]).
+// - The solve right-looking: once w_i is final every later b_t −= A[t, i]·w_i, A's column i read by 16-byte broadcast
+//   loads. Per output these are the left-looking form's FMAs in its order (w_t = b_t − Σ_{i<t} A[t, i]·w_i, i
+//   ascending), but the dependent chain from w_i to w_{i+1} is one FMA instead of i.
+template <int DK>
+__global__ void __launch_bounds__(kWyThreads, 2) gdn_wy_mma_kernel(const __grid_constant__ ChunkArgs a) {
+  constexpr int L = kChunk, LDK = DK + 4, LDA = L + 4;  // rows ≡ 4 words mod 32: fragment loads conflict-free
+  extern __shared__ float4 wym_smem4[];
+  float* sK = reinterpret_cast<float*>(wym_smem4);  // [L][DK + 4]
+  float* sQ = sK + L * LDK;                          // [L][DK + 4]
+  float* sAT = sQ + L * LDK;                         // [L][L + 4]: sAT[i][t] = A[t, i]
+  float* sLam = sAT + L * LDA;                       // [L]
+  float* sBeta = sLam + L;                           // [L]
+  uint16_t* sV = reinterpret_cast<uint16_t*>(sBeta + L);  // [L][DV] bf16
+  pdl_trigger();
+  pdl_wait();
+  const int c = blockIdx.x, h = blockIdx.y, kh = h / (a.NV / a.NK), tid = threadIdx.x;
+  const int t0 = c * L, nt = min(L, a.T - t0);
+  for (int i = tid; i < L * (DK / 4); i += kWyThreads) {
+    const int t = i / (DK / 4), d = 4 * (i % (DK / 4));
+    const bool ok = t < nt;
+    const float* row = a.qk + (size_t(kh) * a.T + (ok ? t0 + t : 0)) * (2 * DK);
+    cp_async16_zfill(sQ + t * LDK + d, row + d, ok);
+    cp_async16_zfill(sK + t * LDK + d, row + DK + d, ok);
+  }
+  const int vq = a.DV / 8;  // 16-byte pieces of a token's v
+  const bf16* v0 = a.c + size_t(2 * a.NK) * DK + size_t(h) * a.DV;
+  for (int i = tid; i < L * vq; i += kWyThreads) {
+    const int t = i / vq, p = 8 * (i % vq);
+    const bool ok = t < nt;
+    cp_async16_zfill(sV + t * a.DV + p, v0 + size_t(ok ? t0 + t : 0) * a.C + p, ok);
+  }
+  cp_async_commit();
+  chunk_gates(a, h, t0, nt, sLam, sBeta);
+  cp_async_wait<0>();
+  __syncthreads();
+
+  {
+    const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
+    const int nj = min(4, max(0, (m0 + 16 - n0) / 8));  // n8 tiles holding a column i ≤ the tile's last row
+    float kk[4][4] = {}, qk[4][4] = {};
+    if (nj > 0) {
+#pragma unroll 4
+      for (int k0 = 0; k0 < DK; k0 += 8) {
+        const float* kr = sK + (m0 + g) * LDK + k0 + t4;
+        const float* qr = sQ + (m0 + g) * LDK + k0 + t4;
+        const uint32_t ak[4] = {tf32(kr[0]), tf32(kr[8 * LDK]), tf32(kr[4]), tf32(kr[8 * LDK + 4])};
+        const uint32_t aq[4] = {tf32(qr[0]), tf32(qr[8 * LDK]), tf32(qr[4]), tf32(qr[8 * LDK + 4])};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (j < nj) {  // B[k][n] = K̂[n0 + 8j + n][k0 + k]
+            const float* br = sK + (n0 + 8 * j + g) * LDK + k0 + t4;
+            const uint32_t b0 = tf32(br[0]), b1 = tf32(br[4]);
+            mma_tf32(kk[j], ak, b0, b1);
+            mma_tf32(qk[j], aq, b0, b1);
+          }
+      }
+    }
+    float* P = a.P + (size_t(h) * a.nc + c) * L * L;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int t = m0 + g + 8 * hh, i = n0 + 8 * j + 2 * t4;
+        float p[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int ie = i + e;
+          const float decay = ie <= t ? expf(sLam[t] - sLam[ie]) : 0.0f;  // e^{λ_t − λ_i}
+          sAT[ie * LDA + t] = ie < t ? sBeta[t] * decay * kk[j][2 * hh + e] : 0.0f;
+          p[e] = decay * qk[j][2 * hh + e];
+        }
+        *reinterpret_cast<float2*>(P + t * L + i) = make_float2(p[0], p[1]);
+      }
+  }
+  if (tid < L) a.lam[(size_t(h) * a.nc + c) * L + tid] = sLam[tid];
+  __syncthreads();
+
+  const int j = tid;  // column j of W = (I + A)⁻¹·[diag(β)V | diag(β·e^λ)K̂]
+  if (j >= a.DV + DK) return;
+  const bool is_v = j < a.DV;
+  float b[L];
+#pragma unroll
+  for (int t = 0; t < L; ++t)
+    b[t] = is_v ? sBeta[t] * bf16_bits_to_f(sV[t * a.DV + j]) : sBeta[t] * expf(sLam[t]) * sK[t * LDK + (j - a.DV)];
+#pragma unroll
+  for (int i = 0; i + 1 < L; ++i) {
+    const float wi = b[i];  // final
+#pragma unroll
+    for (int q = (i + 1) & ~3; q < L; q += 4) {
+      const float4 a4 = *reinterpret_cast<const float4*>(sAT + i * LDA + q);
+      const float av[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (q + e > i) b[q + e] = fmaf(-av[e], wi, b[q + e]);
+    }
+  }
+  float* dst = is_v ? a.W1 + (size_t(h) * a.nc * L + size_t(c) * L) * a.DV + j
+                    : a.W2 + (size_t(h) * a.nc * L + size_t(c) * L) * DK + (j - a.DV);
+  const int ld = is_v ? a.DV : DK;
+#pragma unroll
+  for (int t = 0; t < L; ++t) dst[size_t(t) * ld] = b[t];
+}
+
+// Block = (value head h, state rows r0 = 32·block.y ..), 16 warps. Chunk after chunk, three products on the tensor
+// cores (tf32 operands, fp32 accumulators; the state itself is only ever rounded as an operand, never stored rounded):
+//   phase 1 (operands W2, Q̂, W1 tile): [W2; Q̂]·Sᵀ (M = 2L, N = 32, K = DK); warp w one m16 row tile × 16 columns,
+//            warps 0–7 the W2 rows → U = W1 − W2·Sᵀ (stored transposed, tf32: Uᵀ [32, L]), warps 8–15 the Q̂ rows
+//            → X2 = Q̂·Sᵀ;
+//   phase 2 (operands P, K̂, λ): a pass writes (diag(e^{λ_L−λ})·K̂)ᵀ as tf32 (Kᵀ [DK, L]) while Y = diag(e^λ)·X2 + P·U
+//            is computed (M = L, N = 32, K = L: warp w row tile w / 4 × n8 tile w % 4, the k-steps above P's diagonal
+//            skipped); then S ← e^{λ_L}·S + Uᵀ·Kᵀᵀ (M = 32, N = DK, K = L), warp w rows 16·(w % 2) × the n8 tiles
+//            w / 2 + 8q. S lives in those accumulator registers for the whole call; its tf32 copy in shared memory is
+//            phase 1's B operand.
+// Fragments come by 16-byte loads: within a pair of k8 steps thread t4 takes the four adjacent columns 4·t4 .. + 3
+// (k-step one the first two, k-step two the last two) of both operands, a permutation of k that leaves every sum whole.
+// Rows read that way have strides ≡ 16 words mod 32 (the 8 lanes of a phase fall in distinct banks).
+// Each operand set has its own buffer, refilled by cp.async while the other phase computes; three barriers per chunk.
+// (v3, 8 warps, fp32 state in shared memory, 4-byte fragment loads, five barriers per chunk: 351 µs per layer at
+// T = 4096 in ncu, 2 warps per scheduler with 0.51 eligible, issue slots 40 % busy.)
 template <int DK>
 struct CsLayout {
   static constexpr int L = kChunk, R = kCsRows;
-  static constexpr int LDW = DK + 4, LDW1 = R + 4, LDP = L + 4, LDK = DK + 8, LDS = DK + 4, LDU = R + 8;
-  static constexpr int oW2 = 0, oQ = oW2 + L * LDW, oW1 = oQ + L * LDW;           // phase-1 operands
+  // row strides in words: LD1, LDP, LDT ≡ 16 mod 32 (rows read as 16-byte fragments); LDW1, LDX ≡ 8 (8-byte
+  // epilogue accesses); LDK ≡ 4 (the transposing pass reads 8 rows at one column per phase)
+  static constexpr int LD1 = DK + 16, LDW1 = R + 8, LDP = L + 16, LDK = DK + 4, LDT = L + 16, LDX = R + 8;
+  static constexpr int oW2 = 0, oQ = oW2 + L * LD1, oW1 = oQ + L * LD1;              // phase-1 operands
   static constexpr int oP = oW1 + L * LDW1, oK = oP + L * LDP, oLam = oK + L * LDK;  // phase-2 operands
-  static constexpr int oS = oLam + L, oU = oS + R * LDS, oX2 = oU + L * LDU, oDecay = oX2 + L * LDU;
-  static constexpr int oY = oDecay + L;  // bf16 [L][R] from here
+  static constexpr int oKT = oLam + L, oSt = oKT + DK * LDT, oUT = oSt + R * LD1, oX2 = oUT + R * LDT;
+  static constexpr int oY = oX2 + L * LDX;  // bf16 [L][R] from here
   static constexpr size_t bytes = size_t(oY) * 4 + size_t(L) * R * 2;
 };
+
+__device__ __forceinline__ float tf32r(float x) { return __uint_as_float(tf32(x)); }  // x rounded to tf32
 
 template <int DK>
 __global__ void __launch_bounds__(kCsThreads) gdn_chunk_scan_kernel(const __grid_constant__ ChunkArgs a) {
   using Ly = CsLayout<DK>;
-  constexpr int L = kChunk, R = kCsRows;
+  constexpr int L = kChunk, R = kCsRows, NT = DK / 8, QS = (NT + 7) / 8;  // S's n8 tiles; per warp
+  constexpr int LD1 = Ly::LD1, LDT = Ly::LDT;
   extern __shared__ __align__(16) float cs_smem[];
   float *sW2 = cs_smem + Ly::oW2, *sQ = cs_smem + Ly::oQ, *sW1 = cs_smem + Ly::oW1;
   float *sP = cs_smem + Ly::oP, *sK = cs_smem + Ly::oK, *sLam = cs_smem + Ly::oLam;
-  float *sS = cs_smem + Ly::oS, *sU = cs_smem + Ly::oU, *sX2 = cs_smem + Ly::oX2, *sDecay = cs_smem + Ly::oDecay;
+  float *sKT = cs_smem + Ly::oKT, *sSt = cs_smem + Ly::oSt, *sUT = cs_smem + Ly::oUT, *sX2 = cs_smem + Ly::oX2;
   uint16_t* sY = reinterpret_cast<uint16_t*>(cs_smem + Ly::oY);
 
   pdl_trigger();
@@ -595,8 +729,8 @@ __global__ void __launch_bounds__(kCsThreads) gdn_chunk_scan_kernel(const __grid
     for (int i = tid; i < L * DK / 4; i += kCsThreads) {
       const int t = i / (DK / 4), d = 4 * (i % (DK / 4));
       const bool ok = t0 + t < a.T;
-      cp_async16_zfill(sW2 + t * Ly::LDW + d, W2 + size_t(t) * DK + d, true);
-      cp_async16_zfill(sQ + t * Ly::LDW + d, a.qk + (size_t(kh) * a.T + (ok ? t0 + t : 0)) * (2 * DK) + d, ok);
+      cp_async16_zfill(sW2 + t * LD1 + d, W2 + size_t(t) * DK + d, true);
+      cp_async16_zfill(sQ + t * LD1 + d, a.qk + (size_t(kh) * a.T + (ok ? t0 + t : 0)) * (2 * DK) + d, ok);
     }
     for (int i = tid; i < L * R / 4; i += kCsThreads) {
       const int t = i / (R / 4), q = 4 * (i % (R / 4));
@@ -619,148 +753,164 @@ __global__ void __launch_bounds__(kCsThreads) gdn_chunk_scan_kernel(const __grid
     for (int i = tid; i < L / 4; i += kCsThreads) cp_async16_zfill(sLam + 4 * i, lam + 4 * i, true);
   };
 
-  for (int i = tid; i < R * DK / 4; i += kCsThreads) {  // the block's state rows
-    const int r = i / (DK / 4), d = 4 * (i % (DK / 4));
-    *reinterpret_cast<float4*>(sS + r * Ly::LDS + d) =
-        *reinterpret_cast<const float4*>(a.state + (size_t(h) * a.DV + r0 + r) * DK + d);
-  }
+  // The S update's partition (rows 16·sr .. + 15, n8 tiles sj0 + 8q < NT), which also holds S in its accumulators.
+  const int sr = warp & 1, sj0 = warp >> 1;
+  float S[QS][4];
+  auto state_at = [&](int q, int hh) {  // the block-row and column of S[q][2·hh], S[q][2·hh + 1]
+    return make_int2(16 * sr + g + 8 * hh, 8 * (sj0 + 8 * q) + 2 * t4);
+  };
+  auto store_st = [&] {  // the tf32 copy phase 1 reads
+#pragma unroll
+    for (int q = 0; q < QS; ++q)
+      if (sj0 + 8 * q < NT)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int2 p = state_at(q, hh);
+          *reinterpret_cast<float2*>(sSt + p.x * LD1 + p.y) = make_float2(tf32r(S[q][2 * hh]), tf32r(S[q][2 * hh + 1]));
+        }
+  };
   load_phase1(0);
   cp_async_commit();
   load_phase2(0);
   cp_async_commit();
+#pragma unroll
+  for (int q = 0; q < QS; ++q)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int2 p = state_at(q, hh);
+      float2 v = make_float2(0.0f, 0.0f);
+      if (sj0 + 8 * q < NT) v = *reinterpret_cast<const float2*>(a.state + (size_t(h) * a.DV + r0 + p.x) * DK + p.y);
+      S[q][2 * hh] = v.x, S[q][2 * hh + 1] = v.y;
+    }
+  store_st();
 
   for (int c = 0; c < a.nc; ++c) {
     const int t0 = c * L, nt = min(L, a.T - t0);
     cp_async_wait<1>();  // phase-1 operands of chunk c (the phase-2 ones may still be landing)
-    __syncthreads();     // … for every thread; and the state rows are in place
+    __syncthreads();     // … for every thread; S's tf32 copy, Y and Kᵀ of chunk c − 1 consumed
 
-    {  // phase 1: warp w computes rows 16·(w%4) .. + 15 of W2·Sᵀ (w < 4) or Q̂·Sᵀ (w ≥ 4), all 32 columns
-      const float* A = warp < 4 ? sW2 : sQ;
-      const int m0 = 16 * (warp & 3);
-      float acc[4][4] = {};
-#pragma unroll 4
-      for (int k0 = 0; k0 < DK; k0 += 8) {
-        uint32_t af[4], bf[4][2];
-        const float* ar = A + (m0 + g) * Ly::LDW + k0 + t4;
-        af[0] = tf32(ar[0]);
-        af[1] = tf32(ar[8 * Ly::LDW]);
-        af[2] = tf32(ar[4]);
-        af[3] = tf32(ar[8 * Ly::LDW + 4]);
+    {  // phase 1: warp w rows 16·((w % 8) / 2) .. + 15 of W2·Sᵀ (w < 8) or Q̂·Sᵀ (w ≥ 8), columns 16·(w % 2) .. + 15
+      const bool isq = warp >= 8;
+      const float* A = isq ? sQ : sW2;
+      const int m0 = 16 * ((warp & 7) >> 1), nb = 16 * (warp & 1);
+      float acc[2][4] = {};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // B[k][n] = S[n][k]
-          const float* br = sS + (8 * j + g) * Ly::LDS + k0 + t4;
-          bf[j][0] = tf32(br[0]);
-          bf[j][1] = tf32(br[4]);
+      for (int s = 0; s < DK / 16; ++s) {
+        const int k = 16 * s + 4 * t4;
+        const float4 lo = *reinterpret_cast<const float4*>(A + (m0 + g) * LD1 + k);
+        const float4 hi = *reinterpret_cast<const float4*>(A + (m0 + g + 8) * LD1 + k);
+        const uint32_t a0[4] = {tf32(lo.x), tf32(hi.x), tf32(lo.y), tf32(hi.y)};
+        const uint32_t a1[4] = {tf32(lo.z), tf32(hi.z), tf32(lo.w), tf32(hi.w)};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {  // B[k][n] = S[n][k]
+          const float4 b = *reinterpret_cast<const float4*>(sSt + (nb + 8 * j + g) * LD1 + k);
+          mma_tf32(acc[j], a0, __float_as_uint(b.x), __float_as_uint(b.y));
+          mma_tf32(acc[j], a1, __float_as_uint(b.z), __float_as_uint(b.w));
         }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mma_tf32(acc[j], af, bf[j][0], bf[j][1]);
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int t = m0 + g + 8 * hh, n = 8 * j + 2 * t4;
-          float v0 = acc[j][2 * hh], v1 = acc[j][2 * hh + 1];
-          if (warp < 4) {  // U = W1 − W2·Sᵀ
-            v0 = sW1[t * Ly::LDW1 + n] - v0;
-            v1 = sW1[t * Ly::LDW1 + n + 1] - v1;
-            *reinterpret_cast<float2*>(sU + t * Ly::LDU + n) = make_float2(v0, v1);
-          } else {
-            *reinterpret_cast<float2*>(sX2 + t * Ly::LDU + n) = make_float2(v0, v1);
+          const int t = m0 + g + 8 * hh, n = nb + 8 * j + 2 * t4;
+          if (isq) {
+            *reinterpret_cast<float2*>(sX2 + t * Ly::LDX + n) = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+          } else {  // U = W1 − W2·Sᵀ, stored as Uᵀ
+            const float2 w1 = *reinterpret_cast<const float2*>(sW1 + t * Ly::LDW1 + n);
+            sUT[n * LDT + t] = tf32r(w1.x - acc[j][2 * hh]);
+            sUT[(n + 1) * LDT + t] = tf32r(w1.y - acc[j][2 * hh + 1]);
           }
         }
     }
-    __syncthreads();  // U and X2 complete; the phase-1 buffer is free
+    cp_async_wait<0>();  // phase-2 operands of chunk c
+    __syncthreads();     // … for every thread; Uᵀ and X2 complete; the phase-1 buffer is free
     if (c + 1 < a.nc) load_phase1(c + 1);
     cp_async_commit();
-    cp_async_wait<1>();  // phase-2 operands of chunk c
-    __syncthreads();
-    if (tid < L) sDecay[tid] = expf(sLam[L - 1] - sLam[tid]);  // e^{λ_L − λ_t}
-    __syncthreads();
 
-    {  // Y = diag(e^λ)·X2 + P·U: warp w columns 8·(w%4) .. + 7 of row tiles 3 and 0 (w < 4) or 2 and 1, so that
-       // every warp does 10 of the 80 k-steps the triangle leaves (P[t][i] = 0 for i > t)
-      const int n = 8 * (warp & 3) + 2 * t4;
+    {  // Kᵀ[n][k] = tf32(e^{λ_L − λ_k}·K̂[k][n]): thread = token k × DK/8 columns
+      constexpr int CPT = DK / 8;
+      const int k = tid % L, n0 = (tid / L) * CPT;
+      const float d = expf(sLam[L - 1] - sLam[k]);
 #pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int mt = warp < 4 ? (q ? 0 : 3) : (q ? 1 : 2), m0 = 16 * mt;
-        float acc[4];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int t = m0 + g + 8 * hh;
-          const float e = expf(sLam[t]);
-          acc[2 * hh] = e * sX2[t * Ly::LDU + n];
-          acc[2 * hh + 1] = e * sX2[t * Ly::LDU + n + 1];
-        }
-        for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
-          uint32_t af[4];
-          const float* ar = sP + (m0 + g) * Ly::LDP + k0 + t4;
-          af[0] = tf32(ar[0]);
-          af[1] = tf32(ar[8 * Ly::LDP]);
-          af[2] = tf32(ar[4]);
-          af[3] = tf32(ar[8 * Ly::LDP + 4]);
-          const float* br = sU + (k0 + t4) * Ly::LDU + 8 * (warp & 3) + g;  // B[k][n] = U[k][n]
-          mma_tf32(acc, af, tf32(br[0]), tf32(br[4 * Ly::LDU]));
-        }
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int t = m0 + g + 8 * hh;
-          const __nv_bfloat162 y2 = __floats2bfloat162_rn(acc[2 * hh], acc[2 * hh + 1]);
-          *reinterpret_cast<__nv_bfloat162*>(sY + t * R + n) = y2;
-        }
+      for (int v = 0; v < CPT; v += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(sK + k * Ly::LDK + n0 + v);
+        sKT[(n0 + v) * LDT + k] = tf32r(d * x.x);
+        sKT[(n0 + v + 1) * LDT + k] = tf32r(d * x.y);
+        sKT[(n0 + v + 2) * LDT + k] = tf32r(d * x.z);
+        sKT[(n0 + v + 3) * LDT + k] = tf32r(d * x.w);
       }
     }
-    {  // S ← e^{λ_L}·S + Uᵀ·diag(e^{λ_L−λ})·K̂: warp w rows 16·(w%2) .. + 15, columns DK/4·(w/2) .. + DK/4 − 1
-      constexpr int NJ = DK / 32;  // n8 tiles per warp
-      const int i0 = 16 * (warp & 1), n0 = (DK / 4) * (warp >> 1);
-      const float eL = expf(sLam[L - 1]);
-      float acc[NJ][4];
+    {  // Y = diag(e^λ)·X2 + P·U: warp w rows 16·(w / 4) .. + 15, columns 8·(w % 4) .. + 7, keys k < the tile's end
+      const int mt = warp >> 2, m0 = 16 * mt, n = 8 * (warp & 3) + 2 * t4;
+      float acc[4];
 #pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = i0 + g + 8 * hh, n = n0 + 8 * j + 2 * t4;
-          acc[j][2 * hh] = eL * sS[r * Ly::LDS + n];
-          acc[j][2 * hh + 1] = eL * sS[r * Ly::LDS + n + 1];
-        }
-#pragma unroll 2
-      for (int k0 = 0; k0 < L; k0 += 8) {
-        uint32_t af[4];  // A[m][k] = U[k][m]
-        const float* ar = sU + (k0 + t4) * Ly::LDU + i0 + g;
-        af[0] = tf32(ar[0]);
-        af[1] = tf32(ar[8]);
-        af[2] = tf32(ar[4 * Ly::LDU]);
-        af[3] = tf32(ar[4 * Ly::LDU + 8]);
-        const float d0 = sDecay[k0 + t4], d1 = sDecay[k0 + t4 + 4];
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {  // B[k][n] = e^{λ_L−λ_k}·K̂[k][n]
-          const float* br = sK + (k0 + t4) * Ly::LDK + n0 + 8 * j + g;
-          mma_tf32(acc[j], af, tf32(d0 * br[0]), tf32(d1 * br[4 * Ly::LDK]));
-        }
+      for (int hh = 0; hh < 2; ++hh) {
+        const int t = m0 + g + 8 * hh;
+        const float e = expf(sLam[t]);
+        const float2 x = *reinterpret_cast<const float2*>(sX2 + t * Ly::LDX + n);
+        acc[2 * hh] = e * x.x;
+        acc[2 * hh + 1] = e * x.y;
+      }
+      for (int s = 0; s <= mt; ++s) {
+        const int k = 16 * s + 4 * t4;
+        const float4 lo = *reinterpret_cast<const float4*>(sP + (m0 + g) * Ly::LDP + k);
+        const float4 hi = *reinterpret_cast<const float4*>(sP + (m0 + g + 8) * Ly::LDP + k);
+        const float4 b = *reinterpret_cast<const float4*>(sUT + (8 * (warp & 3) + g) * LDT + k);  // B[k][n] = Uᵀ[n][k]
+        const uint32_t a0[4] = {tf32(lo.x), tf32(hi.x), tf32(lo.y), tf32(hi.y)};
+        const uint32_t a1[4] = {tf32(lo.z), tf32(hi.z), tf32(lo.w), tf32(hi.w)};
+        mma_tf32(acc, a0, __float_as_uint(b.x), __float_as_uint(b.y));
+        mma_tf32(acc, a1, __float_as_uint(b.z), __float_as_uint(b.w));
       }
 #pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = i0 + g + 8 * hh, n = n0 + 8 * j + 2 * t4;
-          *reinterpret_cast<float2*>(sS + r * Ly::LDS + n) = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
-        }
+      for (int hh = 0; hh < 2; ++hh) {
+        const int t = m0 + g + 8 * hh;
+        const __nv_bfloat162 y2 = __floats2bfloat162_rn(acc[2 * hh], acc[2 * hh + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(sY + t * R + n) = y2;
+      }
     }
-    __syncthreads();  // Y and the new S complete; the phase-2 buffer, U and X2 are free
+    const float eL = expf(sLam[L - 1]);
+    __syncthreads();  // Kᵀ and Y complete; the phase-2 buffer is free
+    if (c + 1 < a.nc) load_phase2(c + 1);
+    cp_async_commit();
     for (int i = tid; i < nt * (R / 8); i += kCsThreads) {  // 16 bytes = 8 rows of one token
       const int t = i / (R / 8), p = 8 * (i % (R / 8));
       *reinterpret_cast<uint4*>(a.y + (size_t(t0 + t) * a.NV + h) * a.DV + r0 + p) =
           *reinterpret_cast<const uint4*>(sY + t * R + p);
     }
-    if (c + 1 < a.nc) load_phase2(c + 1);
-    cp_async_commit();
+    {  // S ← e^{λ_L}·S + Uᵀ·(Kᵀ)ᵀ: A[m][k] = Uᵀ[m][k], B[k][n] = Kᵀ[n][k]
+#pragma unroll
+      for (int q = 0; q < QS; ++q)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S[q][e] *= eL;
+#pragma unroll
+      for (int s = 0; s < L / 16; ++s) {
+        const int k = 16 * s + 4 * t4;
+        const float4 lo = *reinterpret_cast<const float4*>(sUT + (16 * sr + g) * LDT + k);
+        const float4 hi = *reinterpret_cast<const float4*>(sUT + (16 * sr + g + 8) * LDT + k);
+        const uint32_t a0[4] = {__float_as_uint(lo.x), __float_as_uint(hi.x), __float_as_uint(lo.y),
+                                __float_as_uint(hi.y)};
+        const uint32_t a1[4] = {__float_as_uint(lo.z), __float_as_uint(hi.z), __float_as_uint(lo.w),
+                                __float_as_uint(hi.w)};
+#pragma unroll
+        for (int q = 0; q < QS; ++q)
+          if (sj0 + 8 * q < NT) {
+            const float4 b = *reinterpret_cast<const float4*>(sKT + (8 * (sj0 + 8 * q) + g) * LDT + k);
+            mma_tf32(S[q], a0, __float_as_uint(b.x), __float_as_uint(b.y));
+            mma_tf32(S[q], a1, __float_as_uint(b.z), __float_as_uint(b.w));
+          }
+      }
+      store_st();
+    }
   }
-  __syncthreads();
-  for (int i = tid; i < R * DK / 4; i += kCsThreads) {
-    const int r = i / (DK / 4), d = 4 * (i % (DK / 4));
-    *reinterpret_cast<float4*>(a.state + (size_t(h) * a.DV + r0 + r) * DK + d) =
-        *reinterpret_cast<const float4*>(sS + r * Ly::LDS + d);
-  }
+#pragma unroll
+  for (int q = 0; q < QS; ++q)
+    if (sj0 + 8 * q < NT)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int2 p = state_at(q, hh);
+        *reinterpret_cast<float2*>(a.state + (size_t(h) * a.DV + r0 + p.x) * DK + p.y) =
+            make_float2(S[q][2 * hh], S[q][2 * hh + 1]);
+      }
 }
 
 constexpr size_t wy_smem_bytes(int DK, int DV) {
@@ -843,7 +993,15 @@ void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf
           gdn_chunk_scan_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(cs_smem_bytes(DK)));
       LILY_CUDA_CHECK(wy_attr);
       LILY_CUDA_CHECK(cs_attr);
-      launch(ctx, gdn_wy_kernel<DK>, dim3(ca.nc, a.NV), kWyThreads, wy_smem_bytes(DK, a.DV), ca);
+      if (ctx.opts.on(Opt::gdn_wy_mma)) {
+        static const cudaError_t wym_attr =
+            cudaFuncSetAttribute(gdn_wy_mma_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 int(wy_smem_bytes(DK, kWyThreads - DK)));
+        LILY_CUDA_CHECK(wym_attr);
+        launch(ctx, gdn_wy_mma_kernel<DK>, dim3(ca.nc, a.NV), kWyThreads, wy_smem_bytes(DK, a.DV), ca);
+      } else {
+        launch(ctx, gdn_wy_kernel<DK>, dim3(ca.nc, a.NV), kWyThreads, wy_smem_bytes(DK, a.DV), ca);
+      }
       check_launch("gdn_wy");
       launch(ctx, gdn_chunk_scan_kernel<DK>, dim3(a.NV, a.DV / kCsRows), kCsThreads, cs_smem_bytes(DK), ca);
       check_launch("gdn_chunk_scan");

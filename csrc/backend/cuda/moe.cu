@@ -689,9 +689,34 @@ void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, 
   check_launch("moe_down_kernel");
 }
 
-void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Route& r, bf16* out,
-                 float* resid) {
-  const int T = a.T, k = a.top_k, E = a.E, H = a.H, I = a.I, IS = a.IS, P = T * k;
+// The shared expert's scratch, taken on the main stream (the side stream allocates none).
+struct Shared {
+  float *g, *u;
+  bf16 *h, *s;
+};
+Shared shared_at(Ctx& ctx, const MoeArgs& a) {
+  const Parts<4> shp = moe_shared_parts(a.T, a.IS, a.H);
+  void* shb = ctx.scratch(kSlotMoeShared, shp.bytes);
+  return {shp.at<float>(shb, kSharedG), shp.at<float>(shb, kSharedU), shp.at<bf16>(shb, kSharedH),
+          shp.at<bf16>(shb, kSharedS)};
+}
+
+// s = W_sd·(silu(W_sg·m) ⊙ (W_su·m)) for a prefill chunk: three GEMMs and the SwiGLU between them.
+void moe_shared(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Shared& sh) {
+  qmm(ctx, w.shared_gate, m, a.T, sh.g, true);
+  qmm(ctx, w.shared_up, m, a.T, sh.u, true);
+  const size_t n = size_t(a.T) * a.IS;
+  const int blocks = int(std::min<size_t>(cdiv(n, kSwigluThreads), size_t(ctx.num_sms) * 8));
+  launch(ctx, moe_swiglu_kernel, blocks, kSwigluThreads, 0, sh.g, sh.u, n, sh.h);
+  check_launch("moe_swiglu_kernel");
+  qmm(ctx, w.shared_down, sh.h, a.T, sh.s, false);
+}
+
+// The routed experts of a prefill chunk and the combine; the shared expert runs here unless it already runs on the
+// side stream (on_side: joined before the combine).
+void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Route& r, const Shared& sh,
+                 bool on_side, bf16* out, float* resid) {
+  const int T = a.T, k = a.top_k, E = a.E, H = a.H, I = a.I, P = T * k;
 
   const Parts<5> sp = moe_sort_parts(E, P, 0);
   const MoeSort sort = moe_sort_at(ctx.scratch(kSlotMoeSort, sp.bytes), sp);
@@ -707,22 +732,12 @@ void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m,
   moe_gemm(ctx, w.gate, &w.up, offsets, rows, P, m, h);       // h = silu(m·W_gateᵀ) ⊙ (m·W_upᵀ), sorted rows
   moe_gemm(ctx, w.down, nullptr, offsets, nullptr, P, h, yd);  // yd = h·W_downᵀ, same sorted rows
 
-  const Parts<4> shp = moe_shared_parts(T, IS, H);
-  void* shb = ctx.scratch(kSlotMoeShared, shp.bytes);
-  float* sg = shp.at<float>(shb, kSharedG);
-  float* su = shp.at<float>(shb, kSharedU);
-  bf16* sh = shp.at<bf16>(shb, kSharedH);
-  bf16* s = shp.at<bf16>(shb, kSharedS);
-  qmm(ctx, w.shared_gate, m, T, sg, true);
-  qmm(ctx, w.shared_up, m, T, su, true);
-  const size_t n = size_t(T) * IS;
-  const int blocks = int(std::min<size_t>(cdiv(n, kSwigluThreads), size_t(ctx.num_sms) * 8));
-  launch(ctx, moe_swiglu_kernel, blocks, kSwigluThreads, 0, sg, su, n, sh);
-  check_launch("moe_swiglu_kernel");
-  qmm(ctx, w.shared_down, sh, T, s, false);
-
+  if (on_side)
+    join_side(ctx);
+  else
+    moe_shared(ctx, a, w, m, sh);
   const dim3 grid(unsigned(cdiv(H / 8, kCombineThreads)), unsigned(T));
-  launch(ctx, moe_combine_kernel, grid, kCombineThreads, 0, yd, s, pos, r, H, k, out, resid);
+  launch(ctx, moe_combine_kernel, grid, kCombineThreads, 0, yd, sh.s, pos, r, H, k, out, resid);
   check_launch("moe_combine_kernel");
 }
 
@@ -745,6 +760,16 @@ void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf1
   float* logits = static_cast<float*>(ctx.scratch(kSlotMoeLogits, size_t(a.T) * a.E * sizeof(float)));
   const Parts<3> rp = moe_route_parts(a.T, a.top_k);
   const Route r = moe_route_at(ctx.scratch(kSlotMoeRoute, rp.bytes), rp);
+  const bool decode = a.T <= kMoeDecodeMaxT && decode_fits(a, w);
+  // A prefill chunk's shared expert needs only m: under moe_shared_stream it runs on the side stream while the
+  // router, the routing, the sort (one block) and the routed GEMMs run here, filling the SMs they leave idle.
+  const bool on_side = !decode && ctx.opts.on(Opt::moe_shared_stream);
+  Shared sh{};
+  if (!decode) sh = shared_at(ctx, a);
+  if (on_side) {
+    Ctx side = fork_side(ctx);
+    moe_shared(side, a, w, m, sh);
+  }
 
   qmm(ctx, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
   dispatch_bits(w.shared_expert_gate.bits, [&](auto bits) {
@@ -758,10 +783,10 @@ void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf1
   });
   check_launch("moe_route_kernel");
 
-  if (a.T <= kMoeDecodeMaxT && decode_fits(a, w))
+  if (decode)
     moe_decode(ctx, a, w, m, r, out, resid);
   else
-    moe_prefill(ctx, a, w, m, r, out, resid);
+    moe_prefill(ctx, a, w, m, r, sh, on_side, out, resid);
 }
 
 }  // namespace
