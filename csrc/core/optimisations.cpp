@@ -36,6 +36,9 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::moe_shared_stream, "moe_shared_stream", "cuda",
        "MoE prefill: the shared expert's GEMMs on a second stream beside the router, the routing, the sort and the "
        "routed experts, instead of after them"},
+      {Opt::moe_tiles_16, "moe_tiles_16", "cuda",
+       "Hopper expert GEMMs of at most 16 tokens (a short prompt tail) in a kernel with only the 16-row tile, two "
+       "blocks per SM, instead of the kernel with every tile size at one block per SM"},
   };
   return table;
 }

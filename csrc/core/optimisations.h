@@ -39,6 +39,9 @@ enum class Opt : int {
   moe_shared_stream, // CUDA: a prefill chunk's shared expert (three GEMMs) on a second stream beside the router, the
                      //   routing, the sort and the routed GEMMs. Metal: its concurrent encoder already overlaps
                      //   independent dispatches (metal_backend.mm)
+  moe_tiles_16,      // CUDA: the Hopper expert GEMMs of ≤ 16 tokens (a short prompt tail: every expert holds ≤ 16 rows)
+                     //   as a kernel with the 16-row tile alone, two blocks per SM, instead of the one with all four
+                     //   tiles at one block per SM. Metal's grouped GEMM picks its tiles per expert (metal/qmm.metal)
   kCount
 };
 

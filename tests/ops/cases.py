@@ -267,6 +267,8 @@ CASES = [
     Case("qmm", dict(T=14, N=8192, K=2048), tags=("model",)),
     Case("qmm", dict(T=16, N=2048, K=4096, y_f32=True), tags=("model",)),
     Case("qmm_multi", dict(T=14, K=2048, Ns=(8192, 4096, 32, 32)), tags=("model",)),
+    # a prefill chunk's GDN input projections, one GEMM each
+    Case("qmm_multi", dict(T=300, K=2048, Ns=(8192, 4096, 32, 32)), tags=("model", "gpu")),
     Case("qmm", dict(T=4096, N=32, K=2048), tags=("model",)),  # the GDN gate projections of a prefill chunk
     # odd shapes: rows and columns off every tile, 8-bit, other group sizes
     Case("qmm", dict(T=3, N=40, K=128), tags=("edge",)),
@@ -321,11 +323,16 @@ CASES = [
     Case("gdn_scan", dict(T=150, NK=2, NV=4, DK=64, DV=96), tags=("edge",)),
     Case("gdn_scan", dict(T=1000, **_gdn_real), tags=("model",)),
     Case("gdn_norm", dict(T=1, **_gdn_real), tags=("model",)),
+    Case("gdn_norm", dict(T=300, **_gdn_real), tags=("model",)),
     Case("gdn_norm", dict(T=33, NK=2, NV=4, DK=32, DV=64), tags=("edge",)),
     # MoE: decode, prefill, odd geometries, and routing skewed onto the same experts (1, 2, 127 rows each)
     Case("moe", dict(T=1, **_moe_real), tags=("model", "slow")),
     Case("moe", dict(T=64, **_moe_real), tags=("model", "slow")),
     Case("moe", dict(T=4096, **_moe_real), tags=("model", "slow", "gpu")),  # a prefill chunk: ~128 rows per expert
+    # a 14-token prompt tail (the server's assistant header) and other T past the decode kernels' 8
+    Case("moe", dict(T=14, **_moe_real), tags=("model", "slow", "gpu")),
+    Case("moe", dict(T=16, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
+    Case("moe_residual", dict(T=11, H=64, E=8, top_k=2, I=64, IS=128), tags=("edge",)),
     Case("moe", dict(T=5, H=64, E=8, top_k=2, I=64, IS=128), tags=("edge",)),
     Case("moe", dict(T=127, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
     Case("moe", dict(T=300, H=256, E=12, top_k=3, I=128, IS=64), tags=("edge",)),

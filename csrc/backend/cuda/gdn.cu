@@ -21,7 +21,8 @@
 // Work     scan ≈ 7 FLOP per state element per token: 32·128·128·7 = 3.7 MFLOP per token, 15 GFLOP at T=4096
 //          (0.23 ms at 67 TFLOP/s fp32), but sequential in T: ~4096 dependent steps of ~0.1–0.2 µs each.
 // Mapping  conv: thread = 8 adjacent channels (a prefill chunk of the real window; else 4) × a chunk of kConvChunk
-//            tokens; the K−1 previous raw rows slide through registers. Only the chunk-0 thread of a channel reads or
+//            tokens; with 8 channels its rows go to shared memory by cp.async, all in flight at once (~70 KB per
+//            block), then the K−1 previous rows slide through registers. Only the chunk-0 thread of a channel reads or
 //            writes that channel's state, and it reads every row it needs (old state, x) before it writes, so there
 //            are no races between blocks.
 //          scan: (1) prep kernel, one warp per (token, key head): q̂, k̂, k̂·q̂ and the gates of its value heads.
@@ -48,11 +49,14 @@
 //          no gain in the replayed step (+0.3 %).
 //          v3 (2026-12-02), ncu at T = 4096 per layer: gdn_chunk_scan on 8 warps 376 → 348 µs; gdn_wy with
 //          16-byte shared loads 337 → 321 µs; gdn_conv with 8 channels per thread for a prefill chunk 102 → 88.5 µs.
-//          v4 (current, 2026-12-02), same measure: gdn_wy_mma_kernel (switch gdn_wy_mma) 324 → 190 µs; gdn_chunk_scan
+//          v4 (2026-12-02), same measure: gdn_wy_mma_kernel (switch gdn_wy_mma) 324 → 190 µs; gdn_chunk_scan
 //          on 16 warps with the state in registers, 16-byte fragment loads and three barriers per chunk 351 → 318 µs.
 //          Tried and removed: the chunk scan prefetching chunk c + 2's operands into L2 (cp.async.bulk.prefetch),
 //          351 → 403 µs; W = (I + A)⁻¹·B as a tf32 GEMM after inverting by columns, 192 → 189 µs (not worth the
 //          rounding: the solve is exact fp32).
+//          v5 (current, 2026-12-02), same measure: gdn_conv's 16-byte rows staged by cp.async 88.5 → 80.5 µs;
+//          gdn_norm loading z with y before the reduction 41.3 → 35.7 µs.
+#include <algorithm>
 #include <type_traits>
 
 #include "backend/cuda/ops.cuh"
@@ -84,23 +88,27 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+// One row of a conv thread (8 or 16 bytes) into shared memory.
+template <typename Row>
+__device__ __forceinline__ void cp_async_row(Row* smem, const void* gmem) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  if constexpr (sizeof(Row) == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(gmem) : "memory");
+}
 
 // ---- kernels ------------------------------------------------------------------------------------------------------
 
-// V bf16 values through one V·2-byte access (p V·2-byte aligned), as floats.
-template <int V>
-__device__ __forceinline__ void load_bf16v(const bf16* p, float (&f)[V]) {
-  if constexpr (V == 4) {
-    const float4 a = load_bf16x4(p);
-    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
-  } else {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+// V bf16 values already loaded as one V·2-byte row (uint2 for V = 4, uint4 for V = 8), as floats.
+template <int V, typename Row>
+__device__ __forceinline__ void unpack_bf16v(const Row& r, float (&f)[V]) {
+  static_assert(sizeof(Row) == 2 * V, "one row of V bf16 values");
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&r);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 t = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-      f[2 * i] = t.x, f[2 * i + 1] = t.y;
-    }
+  for (int i = 0; i < V / 2; ++i) {
+    const float2 t = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    f[2 * i] = t.x, f[2 * i + 1] = t.y;
   }
 }
 template <int V>
@@ -118,14 +126,19 @@ __device__ __forceinline__ void store_bf16v(bf16* p, const float (&f)[V]) {
 }
 
 // Thread = channels c..c+V−1 (c = V·(block.x·blockDim + tid)) × tokens [t0, t0 + kConvChunk), t0 =
-// block.y·kConvChunk. The window win[] is right-aligned: before the output for token t, win[KW − K + k] = U[t + k],
-// k < K, so the newest row U[t + K − 1] = x[t] always lands in win[KW − 1] and every register index is a constant.
-// KW = 4 where K ≤ 4 (the real model), with V = 8 (16-byte accesses) where C % 8 == 0: fewer registers and load
-// instructions; else V = 4.
+// block.y·kConvChunk. With V = 8 (a prefill chunk) the thread first requests every row it reads, U[t0 .. t1 + K − 1),
+// by cp.async into its own column of shared memory (rows[r][tid], no barrier: no thread reads another's), so that all
+// of them are in flight at once (88.5 → 80.5 µs per layer at T = 4096, H200), then slides through them. The window win[] is right-aligned: before the output for token t,
+// win[KW − K + k] = U[t + k], k < K, so the newest row U[t + K − 1] = x[t] always lands in win[KW − 1] and every
+// register index is a constant. KW = 4 where K ≤ 4 (the real model), with V = 8 (16-byte rows) where C % 8 == 0:
+// fewer registers and copy instructions; else V = 4.
 template <int V, int KW>
 __global__ void __launch_bounds__(kConvThreads, 4) gdn_conv_kernel(const bf16* __restrict__ x,
                                                                 const float* __restrict__ w, bf16* conv_state,
                                                                 bf16* __restrict__ out, int T, int C, int K) {
+  using Row = std::conditional_t<V == 4, uint2, uint4>;  // V bf16 channels of one row
+  extern __shared__ __align__(16) unsigned char conv_smem[];
+  Row* rows = reinterpret_cast<Row*>(conv_smem) + threadIdx.x;  // this thread's column: row r at rows[r·blockDim]
   pdl_trigger();
   pdl_wait();
   const int c = V * (blockIdx.x * blockDim.x + threadIdx.x);
@@ -133,6 +146,17 @@ __global__ void __launch_bounds__(kConvThreads, 4) gdn_conv_kernel(const bf16* _
   const int S = K - 1, lo = KW - K;  // state rows; first live window slot
   const int t0 = blockIdx.y * kConvChunk, t1 = min(T, t0 + kConvChunk);
   auto U = [&](int r) -> const bf16* { return r < S ? conv_state + size_t(r) * C + c : x + size_t(r - S) * C + c; };
+  // Row U[t0 + r]: staged in shared memory for a prefill chunk's 16-byte rows; read directly for 8-byte rows (a
+  // decode token: a copy and a wait would only add to its latency)
+  constexpr bool kStaged = V == 8;
+  auto row = [&](int r) -> Row {
+    if constexpr (kStaged) return rows[r * kConvThreads];
+    else return *reinterpret_cast<const Row*>(U(t0 + r));
+  };
+  if constexpr (kStaged) {
+    for (int r = 0; r < t1 - t0 + S; ++r) cp_async_row(rows + r * kConvThreads, U(t0 + r));
+    cp_async_commit();
+  }
 
   float wk[KW][V];  // right-aligned taps of the V channels: wk[lo + k][v] = w[c + v, k]
   float win[KW][V];
@@ -145,11 +169,14 @@ __global__ void __launch_bounds__(kConvThreads, 4) gdn_conv_kernel(const bf16* _
 #pragma unroll
       for (int v = 0; v < V; ++v) wk[i][v] = w[size_t(c + v) * K + k];
     }
-    if (i >= lo && i < KW - 1) load_bf16v<V>(U(t0 + i - lo), win[i]);  // U[t0 + k], k < K − 1
   }
+  if constexpr (kStaged) cp_async_wait<0>();
+#pragma unroll
+  for (int i = 0; i < KW - 1; ++i)
+    if (i >= lo) unpack_bf16v<V>(row(i - lo), win[i]);  // U[t0 + k], k < K − 1
 #pragma unroll 4
   for (int t = t0; t < t1; ++t) {
-    load_bf16v<V>(x + size_t(t) * C + c, win[KW - 1]);  // U[t + K − 1]
+    unpack_bf16v<V>(row(t - t0 + S), win[KW - 1]);  // U[t + K − 1]
     float acc[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) acc[v] = 0.0f;
@@ -169,7 +196,6 @@ __global__ void __launch_bounds__(kConvThreads, 4) gdn_conv_kernel(const bf16* _
   // Chunk 0 owns the state of its channels (later chunks start at t0 ≥ K − 1 and never read it): read all new rows
   // U[T + r] (old state rows when T + r < K − 1) before writing any of them.
   if (blockIdx.y != 0) return;
-  using Row = std::conditional_t<V == 4, uint2, uint4>;
   Row keep[KW - 1];
 #pragma unroll
   for (int r = 0; r < KW - 1; ++r)
@@ -177,6 +203,12 @@ __global__ void __launch_bounds__(kConvThreads, 4) gdn_conv_kernel(const bf16* _
 #pragma unroll
   for (int r = 0; r < KW - 1; ++r)
     if (r < S) *reinterpret_cast<Row*>(conv_state + size_t(r) * C + c) = keep[r];
+}
+
+// Shared memory of a conv block: the rows of its tokens and the window before them, one row of V per thread each
+// (staged rows only: V = 8).
+size_t conv_smem_bytes(int V, int K, int T) {
+  return V == 8 ? size_t(std::min(T, kConvChunk) + K - 1) * kConvThreads * V * sizeof(bf16) : 0;
 }
 
 // One warp per (token t, key head kh): q̂, k̂ (fp32) and k̂·q̂ into qk [NK, T, 2·DK], and the gates of the value
@@ -353,22 +385,25 @@ __global__ void __launch_bounds__(kNormWarps * 32) gdn_norm_kernel(const bf16* y
   const int r = blockIdx.x * kNormWarps + (threadIdx.x >> 5);
   if (r >= rows) return;
   const size_t o = size_t(r) * DV;
-  float4 v[kChunks];
+  float4 v[kChunks], zv[kChunks];  // y and z both loaded before the reduction: one memory latency per row, not two
   float ss = 0.0f;
 #pragma unroll
   for (int m = 0; m < kChunks; ++m) {
     const int j = 4 * lane + 128 * m;
-    v[m] = j < DV ? load_bf16x4(y + o + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    ss += v[m].x * v[m].x + v[m].y * v[m].y + v[m].z * v[m].z + v[m].w * v[m].w;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    v[m] = j < DV ? load_bf16x4(y + o + j) : zero;
+    zv[m] = j < DV ? load_bf16x4(z + o + j) : zero;
   }
+#pragma unroll
+  for (int m = 0; m < kChunks; ++m) ss += v[m].x * v[m].x + v[m].y * v[m].y + v[m].z * v[m].z + v[m].w * v[m].w;
   const float rs = 1.0f / sqrtf(warp_sum(ss) / float(DV) + eps);  // 1 / sqrt(mean(y²) + eps)
 #pragma unroll
   for (int m = 0; m < kChunks; ++m) {
     const int j = 4 * lane + 128 * m;
     if (j < DV) {
-      const float4 wv = *reinterpret_cast<const float4*>(w + j), zv = load_bf16x4(z + o + j);
-      store_bf16x4(out + o + j, make_float4(v[m].x * rs * wv.x * siluf_(zv.x), v[m].y * rs * wv.y * siluf_(zv.y),
-                                            v[m].z * rs * wv.z * siluf_(zv.z), v[m].w * rs * wv.w * siluf_(zv.w)));
+      const float4 wv = *reinterpret_cast<const float4*>(w + j), zm = zv[m];
+      store_bf16x4(out + o + j, make_float4(v[m].x * rs * wv.x * siluf_(zm.x), v[m].y * rs * wv.y * siluf_(zm.y),
+                                            v[m].z * rs * wv.z * siluf_(zm.z), v[m].w * rs * wv.w * siluf_(zm.w)));
     }
   }
 }
@@ -950,8 +985,14 @@ void gdn_conv(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* w, bf16* c
   const bool v8 = a.T >= kConvChunk && a.conv_kernel <= 4 && C % 8 == 0 && aligned(x, 16) && aligned(out, 16) &&
                   aligned(conv_state, 16);
   const dim3 grid(unsigned(cdiv(C / (v8 ? 8 : 4), kConvThreads)), unsigned(cdiv(a.T, kConvChunk)));
+  const size_t smem = conv_smem_bytes(v8 ? 8 : 4, a.conv_kernel, a.T);
+  static const cudaError_t attr = [] {  // the 16-byte rows of a prefill chunk need more than the default 48 KB
+    return cudaFuncSetAttribute(gdn_conv_kernel<8, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                int(conv_smem_bytes(8, 4, kConvChunk)));
+  }();
+  LILY_CUDA_CHECK(attr);
   auto go = [&](auto kernel) {
-    launch(ctx, kernel, grid, kConvThreads, 0, x, w, conv_state, out, a.T, C, a.conv_kernel);
+    launch(ctx, kernel, grid, kConvThreads, smem, x, w, conv_state, out, a.T, C, a.conv_kernel);
   };
   if (v8)
     go(gdn_conv_kernel<8, 4>);

@@ -114,7 +114,7 @@ void allow_smem(Kernel kernel, int bytes) {
 bool sm90_gemm_applies(const Ctx& ctx, const QMatrix& W);
 void qmm_sm90(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
 void moe_gemm_sm90(Ctx& ctx, const QMatrix& A, const QMatrix* B, const int32_t* offsets, const int32_t* rows,
-                   int max_rows, const bf16* x, bf16* y);
+                   int max_rows, int expert_rows, const bf16* x, bf16* y);
 
 // log2 of a power of two (host).
 inline int log2_exact(int v) {

@@ -729,8 +729,8 @@ void moe_prefill(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m,
 
   bf16* h = static_cast<bf16*>(ctx.scratch(kSlotMoeHidden, size_t(P) * I * sizeof(bf16)));
   bf16* yd = static_cast<bf16*>(ctx.scratch(kSlotMoeOut, size_t(P) * H * sizeof(bf16)));
-  moe_gemm(ctx, w.gate, &w.up, offsets, rows, P, m, h);       // h = silu(m·W_gateᵀ) ⊙ (m·W_upᵀ), sorted rows
-  moe_gemm(ctx, w.down, nullptr, offsets, nullptr, P, h, yd);  // yd = h·W_downᵀ, same sorted rows
+  moe_gemm(ctx, w.gate, &w.up, offsets, rows, P, T, m, h);       // h = silu(m·W_gateᵀ) ⊙ (m·W_upᵀ), sorted rows
+  moe_gemm(ctx, w.down, nullptr, offsets, nullptr, P, T, h, yd);  // yd = h·W_downᵀ, same sorted rows
 
   if (on_side)
     join_side(ctx);

@@ -365,12 +365,12 @@ void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) 
 }
 
 void moe_gemm(Ctx& ctx, const QMatrix& A, const QMatrix* B, const int32_t* offsets, const int32_t* rows,
-              int max_rows, const bf16* x, bf16* y) {
+              int max_rows, int expert_rows, const bf16* x, bf16* y) {
   check_moe_gemm(A, B, offsets, x, y, max_rows);
   check_out_alignment("moe_gemm", y, A.N, 2);
   if (max_rows == 0) return;
   if (sm90_gemm_applies(ctx, A)) {
-    moe_gemm_sm90(ctx, A, B, offsets, rows, max_rows, x, y);
+    moe_gemm_sm90(ctx, A, B, offsets, rows, max_rows, expert_rows, x, y);
     return;
   }
   const int gshift = log2_exact(A.group);

@@ -34,6 +34,9 @@
 //          by a loop before it: 345 / 488 / 269 µs. The dense GEMM runs at 400 TFLOP/s: a k-step takes ~1.35 µs
 //          against 0.55 µs of tensor work and ~2.3 TB/s of L2 copies chip-wide; what stalls it is not yet measured
 //          (ncu's stall reasons are next: the barrier per step with one block per SM is the first suspect).
+//          v5 (2026-12-02) a prompt tail of ≤ 16 tokens (every expert ≤ 16 rows) on an instance with only the 16-row
+//          tile, 95 registers and two blocks per SM (switch moe_tiles_16): the 14-token forward 10.57 → 9.90 ms
+//          (ncu before: gate+up 76, down 46 µs per layer at 1.0–1.25 TB/s, one block per SM over ~90 experts).
 #include "backend/cuda/gemm.cuh"
 #include "backend/cuda/ops.cuh"
 #include "backend/cuda/wgmma.cuh"
@@ -324,8 +327,10 @@ __device__ __forceinline__ void moe_tile(const QMatrix& A, const QMatrix& B, int
   write_out<NT, bf16, C>(out, min(NT, r1 - r0), [&](int t) { return r0 + t; }, y, N, n0, vec);
 }
 
-template <bool FUSED>
-__global__ void __launch_bounds__(kThreads, 1)
+// MAXNT: the most rows any expert holds (host bound). 16 (a prompt tail of ≤ 16 tokens, switch moe_tiles_16): only the
+// 16-row tile is compiled in, whose registers and shared memory leave room for two blocks per SM.
+template <bool FUSED, int MAXNT>
+__global__ void __launch_bounds__(kThreads, MAXNT <= 16 ? 2 : 1)
     moe_sm90_kernel(const QMatrix A, const QMatrix B, const int32_t* __restrict__ offsets,
                     const int32_t* __restrict__ rows, const bf16* __restrict__ x, bf16* __restrict__ y, int gshift,
                     bool vec) {
@@ -337,14 +342,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t sbase;
   char* smem = aligned_1k(smem_raw, sbase);
   const int n = min(128, r1 - r0);  // rows of this tile: an expert's last tile is usually partial
-  if (n > 64)
-    moe_tile<128, FUSED>(A, B, e, r0, r1, rows, x, y, gshift, vec, smem, sbase);
-  else if (n > 32)
-    moe_tile<64, FUSED>(A, B, e, r0, r1, rows, x, y, gshift, vec, smem, sbase);
-  else if (n > 16)
-    moe_tile<32, FUSED>(A, B, e, r0, r1, rows, x, y, gshift, vec, smem, sbase);
-  else
+  if constexpr (MAXNT > 16) {
+    if (n > 64)
+      moe_tile<128, FUSED>(A, B, e, r0, r1, rows, x, y, gshift, vec, smem, sbase);
+    else if (n > 32)
+      moe_tile<64, FUSED>(A, B, e, r0, r1, rows, x, y, gshift, vec, smem, sbase);
+    else if (n > 16)
+      moe_tile<32, FUSED>(A, B, e, r0, r1, rows, x, y, gshift, vec, smem, sbase);
+    else
+      moe_tile<16, FUSED>(A, B, e, r0, r1, rows, x, y, gshift, vec, smem, sbase);
+  } else {
     moe_tile<16, FUSED>(A, B, e, r0, r1, rows, x, y, gshift, vec, smem, sbase);
+  }
 }
 
 bool vec_ok(const void* y, int N, int elem) {
@@ -389,22 +398,29 @@ void qmm_sm90(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_
 }
 
 void moe_gemm_sm90(Ctx& ctx, const QMatrix& A, const QMatrix* B, const int32_t* offsets, const int32_t* rows,
-                   int max_rows, const bf16* x, bf16* y) {
+                   int max_rows, int expert_rows, const bf16* x, bf16* y) {
   const int gshift = log2_exact(A.group);
   const int64_t tiles = cdiv(max_rows, 128) + A.E;  // ≥ Σ_e ceil(count_e / 128)
   LILY_CHECK(tiles <= 65535, "moe_gemm: max_rows=", max_rows, " with E=", A.E, " needs ", tiles,
              " row tiles, over the grid limit 65535");
   const bool v = vec_ok(y, A.N, 2);
-  const int smem = smem_bytes<128>(A.K / A.group);  // the largest tile's; the smaller ones need less
-  if (B) {
-    allow_smem(moe_sm90_kernel<true>, smem);
-    const dim3 grid(unsigned(cdiv(A.N, kRows / 2)), unsigned(tiles));
-    launch(ctx, moe_sm90_kernel<true>, grid, kThreads, smem, A, *B, offsets, rows, x, y, gshift, v);
-  } else {
-    allow_smem(moe_sm90_kernel<false>, smem);
-    const dim3 grid(unsigned(cdiv(A.N, kRows)), unsigned(tiles));
-    launch(ctx, moe_sm90_kernel<false>, grid, kThreads, smem, A, A, offsets, rows, x, y, gshift, v);
-  }
+  auto go = [&](auto maxnt) {
+    constexpr int MAXNT = decltype(maxnt)::value;
+    const int smem = smem_bytes<MAXNT>(A.K / A.group);  // the largest tile's; the smaller ones need less
+    if (B) {
+      allow_smem(moe_sm90_kernel<true, MAXNT>, smem);
+      const dim3 grid(unsigned(cdiv(A.N, kRows / 2)), unsigned(tiles));
+      launch(ctx, moe_sm90_kernel<true, MAXNT>, grid, kThreads, smem, A, *B, offsets, rows, x, y, gshift, v);
+    } else {
+      allow_smem(moe_sm90_kernel<false, MAXNT>, smem);
+      const dim3 grid(unsigned(cdiv(A.N, kRows)), unsigned(tiles));
+      launch(ctx, moe_sm90_kernel<false, MAXNT>, grid, kThreads, smem, A, A, offsets, rows, x, y, gshift, v);
+    }
+  };
+  if (expert_rows <= 16 && ctx.opts.on(Opt::moe_tiles_16))
+    go(std::integral_constant<int, 16>{});
+  else
+    go(std::integral_constant<int, 128>{});
   check_launch("moe_gemm (sm90)");
 }
 
