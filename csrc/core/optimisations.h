@@ -41,7 +41,8 @@ enum class Opt : int {
                      //   independent dispatches (metal_backend.mm)
   moe_tiles_16,      // CUDA: the Hopper expert GEMMs of ≤ 16 tokens (a short prompt tail: every expert holds ≤ 16 rows)
                      //   as a kernel with the 16-row tile alone, two blocks per SM, instead of the one with all four
-                     //   tiles at one block per SM. Metal's grouped GEMM picks its tiles per expert (metal/qmm.metal)
+                     //   tiles at one block per SM. Metal's grouped GEMM is one instance per tile height already
+                     //   (metal/qmm.metal)
   kCount
 };
 
