@@ -128,10 +128,10 @@ __device__ __forceinline__ void store_bf16v(bf16* p, const float (&f)[V]) {
 // Thread = channels c..c+V−1 (c = V·(block.x·blockDim + tid)) × tokens [t0, t0 + kConvChunk), t0 =
 // block.y·kConvChunk. With V = 8 (a prefill chunk) the thread first requests every row it reads, U[t0 .. t1 + K − 1),
 // by cp.async into its own column of shared memory (rows[r][tid], no barrier: no thread reads another's), so that all
-// of them are in flight at once (88.5 → 80.5 µs per layer at T = 4096, H200), then slides through them. The window win[] is right-aligned: before the output for token t,
-// win[KW − K + k] = U[t + k], k < K, so the newest row U[t + K − 1] = x[t] always lands in win[KW − 1] and every
-// register index is a constant. KW = 4 where K ≤ 4 (the real model), with V = 8 (16-byte rows) where C % 8 == 0:
-// fewer registers and copy instructions; else V = 4.
+// of them are in flight at once (88.5 → 80.5 µs per layer at T = 4096, H200), then slides through them. The window
+// win[] is right-aligned: before the output for token t, win[KW − K + k] = U[t + k], k < K, so the newest row
+// U[t + K − 1] = x[t] always lands in win[KW − 1] and every register index is a constant. KW = 4 where K ≤ 4 (the
+// real model), with V = 8 (16-byte rows) where C % 8 == 0: fewer registers and copy instructions; else V = 4.
 template <int V, int KW>
 __global__ void __launch_bounds__(kConvThreads, 4) gdn_conv_kernel(const bf16* __restrict__ x,
                                                                 const float* __restrict__ w, bf16* conv_state,

@@ -30,8 +30,8 @@ void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
 //   B == null:  y[r, n] = x[rows[r]] · A_e[n]                                         n < A.N
 //   B != null:  y[r, n] = silu(x[rows[r]] · A_e[n]) · (x[rows[r]] · B_e[n])          (gate, up: SwiGLU fused)
 // max_rows is a host-side upper bound of offsets[E] that sizes the grid; tiles past offsets[E] exit at once, so
-// no host synchronisation is needed; expert_rows one of any expert's rows (a token's top-k experts are distinct: T).
-// y is [max_rows, A.N] bf16.
+// no host synchronisation is needed; expert_rows is a host-side upper bound of any one expert's rows (T: a token's
+// top-k experts are distinct), which lets a short tail run on small tiles only. y is [max_rows, A.N] bf16.
 void moe_gemm(Ctx& ctx, const QMatrix& A, const QMatrix* B, const int32_t* offsets, const int32_t* rows,
               int max_rows, int expert_rows, const bf16* x, bf16* y);
 
