@@ -24,9 +24,9 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::route_block, "route_block", "cuda",
        "MoE routing: one block per token (top-k maxima by redux.sync, the shared gate's dot over the block, its "
        "weights loaded before the PDL wait) instead of one warp per token"},
-      {Opt::qmv_passes, "qmv_passes", "cuda",
-       "GEMMs of 9 to 16 tokens (a short prompt tail) as two GEMV passes over the weights instead of the tile GEMMs, "
-       "which launch a quarter of the SMs' worth of blocks there"},
+      {Opt::qmv_mma, "qmv_mma", "cuda",
+       "GEMMs of 9 to 16 tokens (a short prompt tail) as one pass over the weights on the tensor cores, the codes "
+       "dequantised in registers, instead of the tile GEMMs, which launch a quarter of the SMs' worth of blocks there"},
       {Opt::attn_wgmma, "attn_wgmma", "cuda",
        "prefill attention on Hopper's wgmma, the next key tile's scores computed while this tile's P·V runs, instead "
        "of the mma.sync flash kernel"},

@@ -27,9 +27,10 @@ enum class Opt : int {
                      //   over the block with its weights loaded before the PDL wait) instead of one warp per token.
                      //   Not on Metal: its simdgroup maxima (simd_max) are one reduction already; the dot shared
                      //   over a threadgroup would carry over, unmeasured (benchmarks/NOTES.md, Metal)
-  qmv_passes,        // CUDA: GEMMs of 9–16 tokens as two GEMV passes instead of the tile GEMMs (a short prompt tail,
-                     //   e.g. the assistant header the server prefills after snapshotting a new conversation's
-                     //   opening turn). Metal's GEMV takes up to 8 tokens too; not ported (benchmarks/NOTES.md, Metal)
+  qmv_mma,           // CUDA: GEMMs of 9–16 tokens (a short prompt tail, e.g. the assistant header the server prefills
+                     //   after snapshotting a new conversation's opening turn) as one tensor-core GEMV pass, the codes
+                     //   dequantised in registers, instead of the tile GEMMs. Metal: its GEMV takes up to 8 tokens;
+                     //   not ported (benchmarks/NOTES.md, Metal)
   attn_wgmma,        // CUDA: prefill attention on Hopper's wgmma (S and P·V as warpgroup MMAs, the next tile's S
                      //   overlapping this tile's P·V) instead of the mma.sync flash kernel. Not on Metal: no asynchronous
                      //   MMA to overlap with (benchmarks/NOTES.md, Metal)

@@ -140,7 +140,8 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
         for name, e, n, k, bits in (("router", 0, E, H, gb), ("gate", E, I, H, eb), ("up", E, I, H, eb),
                                     ("down", E, H, I, eb), ("shared_gate", 0, IS, H, eb), ("shared_up", 0, IS, H, eb),
                                     ("shared_down", 0, H, IS, eb), ("shared_expert_gate", 0, 1, H, gb)):
-            q, kp = qmatrix(rng, name, e, n, k, bits, std=k ** -0.5 * (3.0 if name == "router" else 1.0))
+            group = d.get("group", 64) if name in ("gate", "up", "down") else 64  # the routed experts' group size
+            q, kp = qmatrix(rng, name, e, n, k, bits, group, std=k ** -0.5 * (3.0 if name == "router" else 1.0))
             x.update(q), p.update(kp)
         m = bf16(rng.normal(0, 1.0, size=(T, H)))
         if d.get("skewed"):  # every token picks the same experts: whole-T groups (1, 2, 127 rows per expert)
@@ -263,10 +264,18 @@ CASES = [
     Case("qmm", dict(T=512, N=2048, K=4096), tags=("model",)),
     Case("qmm", dict(T=256, N=256, K=2048, bits=8, y_f32=True), tags=("model",)),
     Case("qmm", dict(T=9, N=512, K=2048), tags=("model",)),
-    # a 14-token prompt tail (switch qmv_passes: two GEMV passes of 8 and 6 tokens)
+    # a 14-token prompt tail (switch qmv_mma: the tensor-core GEMV), and its router (8-bit, fp32 logits)
     Case("qmm", dict(T=14, N=8192, K=2048), tags=("model",)),
     Case("qmm", dict(T=16, N=2048, K=4096, y_f32=True), tags=("model",)),
     Case("qmm_multi", dict(T=14, K=2048, Ns=(8192, 4096, 32, 32)), tags=("model",)),
+    Case("qmm", dict(T=14, N=256, K=2048, bits=8, y_f32=True), tags=("model",)),
+    # the tensor-core GEMV off its tiles: rows off the 16-row block, matrices straddling blocks, 8-bit, group 32, one
+    # k-step for two of the 8 warps; K % 64 != 0 goes to the tile GEMMs
+    Case("qmm", dict(T=11, N=40, K=128), tags=("edge",)),
+    Case("qmm", dict(T=16, N=70, K=192, bits=8, y_f32=True), tags=("edge",)),
+    Case("qmm", dict(T=9, N=24, K=256, group=32), tags=("edge",)),
+    Case("qmm_multi", dict(T=15, K=256, Ns=(40, 24, 8)), tags=("edge",)),
+    Case("qmm", dict(T=10, N=40, K=160, group=32), tags=("edge",)),
     # a prefill chunk's GDN input projections, one GEMM each
     Case("qmm_multi", dict(T=300, K=2048, Ns=(8192, 4096, 32, 32)), tags=("model", "gpu")),
     Case("qmm", dict(T=4096, N=32, K=2048), tags=("model",)),  # the GDN gate projections of a prefill chunk
@@ -276,7 +285,7 @@ CASES = [
     Case("qmm", dict(T=130, N=96, K=128, bits=8), tags=("edge",)),
     Case("qmm", dict(T=33, N=65, K=256, group=32), tags=("edge",)),
     Case("qmm", dict(T=2, N=491, K=128, y_f32=True), tags=("edge",)),
-    Case("qmm", dict(T=12, N=70, K=128, bits=8), tags=("edge",)),  # two GEMV passes, or (switch off) the small-tile GEMM
+    Case("qmm", dict(T=12, N=70, K=128, bits=8), tags=("edge",)),  # the tensor-core GEMV, or (off) the small-tile GEMM
     # the Hopper GEMM (switch wgmma): 128- and 64-token tiles, odd k-steps, a partial last token tile,
     # columns off the 256-row tile, an odd N (no 16-byte output rows), scales loaded (K/group not a multiple of 8)
     Case("qmm", dict(T=513, N=11264, K=128, y_f32=True), tags=("edge",)),
@@ -331,6 +340,11 @@ CASES = [
     Case("moe", dict(T=4096, **_moe_real), tags=("model", "slow", "gpu")),  # a prefill chunk: ~128 rows per expert
     # a 14-token prompt tail (the server's assistant header) and other T past the decode kernels' 8
     Case("moe", dict(T=14, **_moe_real), tags=("model", "slow", "gpu")),
+    # ≤ 16 tokens at small shapes (every expert ≤ 16 rows: the Hopper kernel's 16-row tile, switch moe_tiles_16):
+    # experts of 1 to 4 rows; group 32 and 8-bit experts on the mma.sync tile GEMM
+    Case("moe", dict(T=13, H=256, E=12, top_k=3, I=128, IS=64), tags=("edge",)),
+    Case("moe", dict(T=15, H=192, E=10, top_k=4, I=96, IS=64, group=32), tags=("edge",)),
+    Case("moe", dict(T=9, H=256, E=6, top_k=2, I=64, IS=64, group=32, bits=8, gate_bits=4), tags=("edge",)),
     Case("moe", dict(T=16, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
     Case("moe_residual", dict(T=11, H=64, E=8, top_k=2, I=64, IS=128), tags=("edge",)),
     Case("moe", dict(T=5, H=64, E=8, top_k=2, I=64, IS=128), tags=("edge",)),

@@ -116,17 +116,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const bf16* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(s));
 }
-// c[16×8] += a[16×16] · b[16×8]; a row-major (4 regs), b column-major (2 regs), c fp32 (4 regs).
-__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo sits in the low half
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // ---- prep: norm + RoPE + cache append ---------------------------------------------------------------------
 // Warp w of the grid handles item j = w mod (NH+NKV) of token t = w / (NH+NKV): j < NH is q head j, else kv

@@ -80,10 +80,10 @@ void launch(const Ctx& ctx, void (*kernel)(Params...), dim3 grid, dim3 block, si
   LILY_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
-// Largest T handled by the GEMV path (one pass over the weights, x in registers); above it, tensor-core GEMM.
+// Largest T of the fp32 GEMV (one pass over the weights, x in shared memory); above it, tensor cores.
 constexpr int kQmvMaxT = 8;
-// Largest T that goes to GEMV passes of ≤ kQmvMaxT tokens each under the switch qmv_passes (ops.cuh, qmv_passes).
-constexpr int kQmvPassesMaxT = 2 * kQmvMaxT;
+// Largest T of the tensor-core GEMV (qmv.cu, switch qmv_mma): a short prompt tail, its tokens the 16 rows of an mma.
+constexpr int kQmvShortMaxT = 16;
 
 __host__ __device__ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -123,6 +123,21 @@ __device__ __forceinline__ void store_bf16x4(bf16* p, float4 v) {
   u.x = *reinterpret_cast<const uint32_t*>(&a);
   u.y = *reinterpret_cast<const uint32_t*>(&b);
   *reinterpret_cast<uint2*>(p) = u;
+}
+
+// Two floats as one bf16 pair (lo in the low half: the element of the lower index in a tensor-core fragment).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// c[16×8] += a[16×16] · b[16×8] on the tensor cores (mma.sync m16n8k16): a row-major (4 regs of bf16 pairs),
+// b "col" (2 regs: k pairs of one column), c fp32 (4 regs). Fragment layouts: PTX ISA, mma.m16n8k16.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ float to_f(bf16 v) { return __bfloat162float(v); }

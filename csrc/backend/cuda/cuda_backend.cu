@@ -76,7 +76,7 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   std::string device() const override { return device_; }
   size_t act_bytes() const override { return 2; }
-  int default_prefill_chunk() const override { return 4096; }  // benchmarks/NOTES.md, default chunk
+  int default_prefill_chunk() const override { return 8192; }  // benchmarks/NOTES.md, default chunk
   void set_optimisations(const Optimisations& o) override {
     Backend::set_optimisations(o);
     ctx_.opts = o;
@@ -139,10 +139,10 @@ class CudaBackend final : public Backend {
     cuda::qmm(ctx_, W, cb(x), T, y, y_f32);
   }
   void qmm_multi(const QMatrix* W, int n, const void* x, int T, void* const* y) override {
-    bool same = cuda::qmv_takes(ctx_, T) && n <= 4;
+    bool same = cuda::qmv_takes(ctx_, W[0], T) && n <= 4;
     for (int i = 1; i < n; ++i) same = same && W[i].K == W[0].K && W[i].bits == W[0].bits && W[i].group == W[0].group;
     if (same)
-      cuda::qmv_passes(ctx_, W, n, cb(x), T, y, false);
+      cuda::qmv_multi(ctx_, W, n, cb(x), T, y, false);
     else
       Backend::qmm_multi(W, n, x, T, y);
   }

@@ -11,19 +11,15 @@ void embed(Ctx& ctx, const QMatrix& table, const int32_t* tokens, int T, float* 
 void rms_norm(Ctx& ctx, const float* x, const float* w, int T, int H, float eps, bf16* out);
 void add_rms_norm(Ctx& ctx, float* x, const bf16* d, const float* w, int T, int H, float eps, bf16* out);
 
-// qmv.cu: y[T, N] = x[T, K] · Wᵀ for T ≤ kQmvMaxT, streaming W once (decode). qmv_multi does the same for n ≤ 4
-// matrices of equal K, bits and group size that read the same x, in one launch.
+// qmv.cu: y[T, N] = x[T, K] · Wᵀ streaming W once, for the T that qmv_takes: T ≤ kQmvMaxT (decode: fp32 GEMV) and
+// T ≤ kQmvShortMaxT under the switch qmv_mma (a short prompt tail such as the 14-token assistant header after a
+// server's opening-turn snapshot: tensor-core GEMV). qmv_multi does the same for n ≤ 4 matrices of equal K, bits and
+// group size that read the same x, in one launch.
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
 void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32);
-// qmv.cu: whether T tokens go to qmv (T ≤ kQmvMaxT), or to qmv_passes (switch qmv_passes, T ≤ kQmvPassesMaxT).
-bool qmv_takes(const Ctx& ctx, int T);
-// qmv.cu: qmv_multi in passes of ≤ kQmvMaxT tokens, each streaming W once: a short prompt tail (the 14-token assistant
-// header after a server's opening-turn snapshot) reads the weights twice at full bandwidth instead of running the
-// tile GEMMs, whose grid there is N/256 blocks (a quarter of the SMs) and which are latency-bound (32 µs for the
-// 8 MB of an 8192 × 2048 projection at T = 14, H200).
-void qmv_passes(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32);
-// qmm.cu: any T; T ≤ kQmvMaxT goes to qmv (≤ kQmvPassesMaxT to qmv_passes, switch qmv_passes), larger T to the
-// tensor-core GEMM that dequantises one weight tile at a time into shared memory.
+bool qmv_takes(const Ctx& ctx, const QMatrix& W, int T);
+// qmm.cu: any T; what qmv_takes goes to qmv, larger T to the tile GEMMs (N/256 blocks of 64 tokens at the least:
+// latency-bound for a short tail, 32 µs for the 8 MB of an 8192 × 2048 projection at T = 14 on the H200).
 void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
 // qmm.cu: grouped GEMM over the experts of a stack (MoE prefill). Routed rows are sorted by expert: expert e owns
 // rows r ∈ [offsets[e], offsets[e+1]) (device int32 [E+1]); row r reads x[rows[r]] (rows == null: x[r]).

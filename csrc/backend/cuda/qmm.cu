@@ -57,19 +57,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "memory");
 }
 
-// c += a · b for one m16n8k16 tile: a row-major 16×16 bf16, b "col" 16×8 (= W rows, k contiguous), c fp32.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // Columns n, n+1 of one output row (n even); a pair store when both exist and the row is 4/8-byte aligned.
 __device__ __forceinline__ void store2(float* row, int n, int N, float v0, float v1) {
   if (n + 1 < N && (N & 1) == 0) {
@@ -340,8 +327,8 @@ void check_out_alignment(const char* op, const void* y, int N, int elem_bytes) {
 }  // namespace
 
 void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) {
-  if (qmv_takes(ctx, T)) {
-    qmv_passes(ctx, &W, 1, x, T, &y, y_f32);
+  if (qmv_takes(ctx, W, T)) {
+    qmv(ctx, W, x, T, y, y_f32);
     return;
   }
   check_qmm(W, x, y);

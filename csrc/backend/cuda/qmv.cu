@@ -1,14 +1,17 @@
-// qmv.cu: y = x · Wᵀ for T ≤ kQmvMaxT tokens (decode), W in MLX affine 4- or 8-bit (architecture.md §3.2, §9.3).
+// qmv.cu: y = x · Wᵀ for T ≤ kQmvShortMaxT tokens (decode; a short prompt tail), W in MLX affine 4- or 8-bit
+// (architecture.md §3.2, §9.3).
 //
 // Math     y[t, n] = Σ_c ( s[n, g(c)] · Σ_{k∈c} q[n, k]·x[t, k]  +  b[n, g(c)] · Σ_{k∈c} x[t, k] )
 //          over 16-byte chunks c of a row (32 codes at 4 bits, 16 at 8); a group holds whole chunks, so no
 //          dequantised weight is formed. 4-bit codes decode as 128 + q (gemm.cuh), the offset moves into the
-//          bias term: s·Σ(128+q)·x + (b − 128·s)·Σx. fp32 throughout.
+//          bias term: s·Σ(128+q)·x + (b − 128·s)·Σx. fp32 throughout. 9 ≤ T ≤ 16 (qmv_mma_kernel, below): W
+//          dequantised to bf16 in registers, products on tensor cores with fp32 accumulation.
 // Layout   W u32[N, K·bits/32] LSB first; s, b bf16[N, K/group]; x bf16[T, K]; y [T, N] bf16, or fp32 (logits)
 // Traffic  T=1, 4-bit g64: N·K/2 codes + N·K/16 s,b.  8192×2048 (q_proj, in_proj_qkv): 8.39 + 1.05 = 9.44 MB;
 //          lm_head 248320×2048: 254.3 + 31.8 = 286.1 MB;  512×2048 (k/v): 0.59 MB;  2048×512: 0.59 MB.
-// Work     2·T·N·K FLOP, ≤ 4 FLOP per weight byte at T=1: bandwidth-bound.  Floor @ 4.8 TB/s (4.25 measured copy):
-//          8192×2048 2.0 µs (2.2);  lm_head 59.6 µs (67.3);  the ≤ 1 MB matrices are launch/latency-bound (~2 µs).
+// Work     2·T·N·K FLOP, ≤ 4 FLOP per weight byte at T=1 (64 at T=16): bandwidth-bound.  Floor @ 4.8 TB/s
+//          (4.25 measured copy): 8192×2048 2.0 µs (2.2);  lm_head 59.6 µs (67.3);  the ≤ 1 MB matrices are
+//          launch/latency-bound (~2 µs).
 // Mapping  block = 8 warps; a warp owns 4 rows and a 1/split share of K (split 1..8 so that small N still fills
 //          132 SMs): lane l reads 16-byte chunks c = 32·sp + l + 32·split·i of all 4 rows (512 coalesced bytes per
 //          row per warp step), issues up to 8 chunk loads before the first use and before x is staged. x is staged
@@ -18,11 +21,14 @@
 //          split warps in shared memory (deterministic, no atomics).
 // Checks   bits 4|8; group 32|64|128; K % group == 0; W.E == 1; 16-byte aligned W and x; T·K·4 + T·K·bits/32 bytes
 //          of x staging fit in shared memory (T=1 K=2048: 8.3 KB; T=8 K=4096: 132 KB). Scales may be negative.
-// Ref      cpu/qmm.cpp (qmv, qmm) · Test tests/ops (op qmm, T ≤ 8)
+//          qmv_mma_kernel: K % 64 == 0 (else the tile GEMMs take 9 ≤ T ≤ 16).
+// Ref      cpu/qmm.cpp (qmv, qmm) · Test tests/ops (op qmm and qmm_multi, T ≤ 16)
 // History  v1 one matrix per launch · v2 up to 4 matrices sharing x in one launch (the GDN and attention input
-//          projections: 3 launches fewer per layer) · v3 (current, 2026-12-01) T = 1 on qmv_stream_kernel (switch
+//          projections: 3 launches fewer per layer) · v3 (2026-12-01) T = 1 on qmv_stream_kernel (switch
 //          qmv_stream: persistent warps, two units in flight): +2.6 % decode at 4K; weights loaded before the PDL
 //          wait. Tried and removed: the input RMSNorm computed in the prologue of every block (−14.7 % decode).
+//          v4 (current, 2026-12-02) 9 ≤ T ≤ 16 on qmv_mma_kernel (switch qmv_mma), replacing two passes of qmv_kernel
+//          (T FMAs per code in fp32: 2.15 ms per pass over the dense weights of a 14-token forward).
 #include <utility>
 
 #include "backend/cuda/gemm.cuh"
@@ -67,6 +73,16 @@ struct QmvParams {
 __device__ __forceinline__ int xslot(int e) {
   const int row = e >> 5;
   return row * 8 + (((e >> 2) ^ row) & 7);
+}
+
+// The matrix of launch row `row` (the launch's matrices side by side), and its row n there.
+__device__ __forceinline__ const QmvSeg& locate_row(const QmvParams& p, int row, int& n) {
+  int si = 0;
+#pragma unroll
+  for (int i = 1; i < kMaxSegs; ++i)
+    if (i < p.nseg && row >= p.seg[i].row0) si = i;
+  n = row - p.seg[si].row0;
+  return p.seg[si];
 }
 
 // Stages x for the block: swizzled fp32 (xslot) and Σx per 16-byte chunk of codes.
@@ -259,14 +275,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
   const int warps = gridDim.x * kStreamWarps, units = p.rows / RPU;
   int u = blockIdx.x * kStreamWarps + (threadIdx.x >> 5);
 
-  auto locate = [&](int row, int& n) -> const QmvSeg& {  // the matrix of a launch row, and its row n there
-    int si = 0;
-#pragma unroll
-    for (int i = 1; i < kMaxSegs; ++i)
-      if (i < p.nseg && row >= p.seg[i].row0) si = i;
-    n = row - p.seg[si].row0;
-    return p.seg[si];
-  };
+  auto locate = [&](int row, int& n) -> const QmvSeg& { return locate_row(p, row, n); };
   auto load = [&](int unit, StreamUnit<RPU, CPL>& U) {
 #pragma unroll
     for (int r = 0; r < RPU; ++r) {
@@ -343,6 +352,149 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
   }
 }
 
+// ---- the tensor-core GEMV (switch qmv_mma): kQmvMaxT < T ≤ kQmvShortMaxT ------------------------------------------
+// A short prompt tail (the server's 14-token assistant header) is too long for fp32 SIMT (T FMAs per code) and too
+// short for the tile GEMMs (N/256 blocks at 64 tokens a tile). Here the T ≤ 16 tokens are the 16 rows of A (x, zero
+// past T) of mma.sync m16n8k16 and 8 weight rows the columns of B, each code dequantised in registers to bf16
+// (s·q + b rounded once: the tile GEMMs' numerics) straight from its load, so W is read once at the streaming rate.
+// Block = 8 warps over kMmaTiles n-tiles of 8 rows; warp w takes the 64-k steps w, w + 8, … (a K split, summed in
+// shared memory in a fixed order). In a step lane (g, c) = (lane / 4, lane % 4) loads codes k0 + 16c .. k0 + 16c + 15
+// of row 8i + g of each n-tile i (8 bytes at 4 bits, 16 at 8) and x[g], x[g + 8] at the same k; mma j multiplies codes
+// 16c + 4j .. 16c + 4j + 3: the k order inside an mma is a permutation both operands share, so it sums the same
+// products. Tried and removed (benchmarks/NOTES.md, v10): a block's weight rows staged in shared memory by cp.async,
+// and x rows staged in shared memory with 32-row blocks; both slower, here and for the ≤ 16-row experts.
+constexpr int kMmaWarps = 8;
+constexpr int kMmaTiles = 2;  // n-tiles of 8 rows per block: 16 rows, ≤ 102 registers (two blocks per SM); with 4
+                              // tiles 160 (one block per SM)
+
+template <int BITS, int RT>
+struct MmaStep {
+  uint32_t q[RT][BITS / 2];  // 16 codes of this lane's row in each n-tile: 2 words (4-bit) or 4 (8-bit)
+  uint16_t s[RT], b[RT];     // their group's scale and bias
+  uint4 x[2][2];             // x[g] and x[g + 8] at the same 16 k (zero past T)
+};
+
+template <int BITS>
+__global__ void __launch_bounds__(kMmaWarps * 32, 2) qmv_mma_kernel(const QmvParams p, int T) {
+  using Q = QCodes<BITS>;
+  constexpr int RT = kMmaTiles, R = 8 * RT, kWords = BITS / 2, kPW = Q::kPerWord;
+  __shared__ float red[kMmaWarps][16][R];  // each warp's partial sums [token][row]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+  const int steps = p.K / 64, row0 = blockIdx.x * R, lg = p.gshift + (BITS == 4 ? 5 : 4);  // log2(group)
+
+  auto locate = [&](int row, int& n) -> const QmvSeg& { return locate_row(p, row, n); };
+  const uint32_t* wrow[RT];  // this lane's row of each n-tile (rows past the launch's repeat the last one)
+  const uint16_t *srow[RT], *brow[RT];
+#pragma unroll
+  for (int i = 0; i < RT; ++i) {
+    int n;
+    const QmvSeg& sg = locate(min(row0 + 8 * i + g, p.rows - 1), n);
+    wrow[i] = sg.w + size_t(n) * (p.K * BITS / 32);
+    srow[i] = sg.s + size_t(n) * p.groups;
+    brow[i] = sg.b + size_t(n) * p.groups;
+  }
+
+  auto load_w = [&](int st, MmaStep<BITS, RT>& S) {
+    const int k = st * 64 + 16 * c;
+#pragma unroll
+    for (int i = 0; i < RT; ++i) {
+      if constexpr (BITS == 4) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(wrow[i] + k / 8));
+        S.q[i][0] = v.x, S.q[i][1] = v.y;
+      } else {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(wrow[i] + k / 4));
+        S.q[i][0] = v.x, S.q[i][1] = v.y, S.q[i][2] = v.z, S.q[i][3] = v.w;
+      }
+      S.s[i] = __ldg(srow[i] + (k >> lg));
+      S.b[i] = __ldg(brow[i] + (k >> lg));
+    }
+  };
+  auto load_x = [&](int st, MmaStep<BITS, RT>& S) {
+    const int k = st * 64 + 16 * c;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = g + 8 * h;
+      if (t < T) {
+        const uint4* src = reinterpret_cast<const uint4*>(p.x + size_t(t) * p.K + k);
+        S.x[h][0] = __ldg(src);
+        S.x[h][1] = __ldg(src + 1);
+      } else {
+        S.x[h][0] = S.x[h][1] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+
+  float acc[RT][4];
+#pragma unroll
+  for (int i = 0; i < RT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  auto compute = [&](const MmaStep<BITS, RT>& S) {
+    auto xpair = [&](int h, int m) {  // bf16 pair m (codes 2m, 2m + 1 of this lane's 16) of x[g + 8h]
+      const uint4& v = S.x[h][m >> 2];
+      const int w = m & 3;
+      return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+    };
+    uint32_t a[4][4];  // A fragment of mma j: rows g, g + 8 at k slots (2c, 2c + 1) and (2c + 8, 2c + 9)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      a[j][0] = xpair(0, 2 * j), a[j][1] = xpair(1, 2 * j), a[j][2] = xpair(0, 2 * j + 1), a[j][3] = xpair(1, 2 * j + 1);
+#pragma unroll
+    for (int i = 0; i < RT; ++i) {
+      const float sc = bf16_bits_to_f(S.s[i]), b = bf16_bits_to_f(S.b[i]) - Q::kOffset * sc;
+      uint32_t wp[8];  // bf16 pair m: codes 2m, 2m + 1
+#pragma unroll
+      for (int wi = 0; wi < kWords; ++wi) {
+        float v[kPW];
+        Q::decode(S.q[i][wi], v);
+#pragma unroll
+        for (int m = 0; m < kPW / 2; ++m)
+          wp[wi * kPW / 2 + m] = pack_bf16(fmaf(sc, v[2 * m], b), fmaf(sc, v[2 * m + 1], b));  // W = s·q + b
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma_bf16(acc[i], a[j], wp[2 * j], wp[2 * j + 1]);
+    }
+  };
+
+  MmaStep<BITS, RT> A, B;
+  int st = warp;
+  pdl_trigger();
+  if (st < steps) load_w(st, A);  // weights only before the wait
+  pdl_wait();
+  if (st < steps) load_x(st, A);
+  while (st < steps) {  // two steps per trip, so that A and B swap roles without run-time register indexing
+    const int s1 = st + kMmaWarps;
+    if (s1 < steps) load_w(s1, B), load_x(s1, B);
+    compute(A);
+    if (s1 >= steps) break;
+    const int s2 = s1 + kMmaWarps;
+    if (s2 < steps) load_w(s2, A), load_x(s2, A);
+    compute(B);
+    st = s2;
+  }
+
+  // D of n-tile i: (token g, rows 8i + 2c, 2c + 1) and (token g + 8, the same rows).
+#pragma unroll
+  for (int i = 0; i < RT; ++i) {
+    red[warp][g][8 * i + 2 * c] = acc[i][0];
+    red[warp][g][8 * i + 2 * c + 1] = acc[i][1];
+    red[warp][g + 8][8 * i + 2 * c] = acc[i][2];
+    red[warp][g + 8][8 * i + 2 * c + 1] = acc[i][3];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < T * R; idx += blockDim.x) {
+    const int t = idx / R, r = idx - t * R, row = row0 + r;  // consecutive threads, consecutive rows
+    if (row >= p.rows) continue;
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) v += red[w][t][r];
+    int n;
+    const QmvSeg& sg = locate(row, n);
+    if (p.y_f32)
+      static_cast<float*>(sg.y)[size_t(t) * sg.N + n] = v;
+    else
+      static_cast<bf16*>(sg.y)[size_t(t) * sg.N + n] = __float2bfloat16(v);
+  }
+}
+
 template <int BITS, int T>
 void launch_qmv(const Ctx& ctx, const QmvParams& p, int grid, size_t smem) {
   auto kernel = qmv_kernel<BITS, T>;
@@ -356,15 +508,9 @@ void launch_t(const Ctx& ctx, const QmvParams& p, int T, int grid, size_t smem, 
   ((T == Ts + 1 ? launch_qmv<BITS, Ts + 1>(ctx, p, grid, smem) : void()), ...);
 }
 
-}  // namespace
-
-void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
-  check_qmv(Ws, n, x, T, kQmvMaxT, ys);  // backend/checks.h; then this file's index width
+// The launch's parameters: the matrices side by side (checked by qmv_multi).
+QmvParams qmv_params(const QMatrix* Ws, int n, const bf16* x, void* const* ys, bool y_f32) {
   const QMatrix& W = Ws[0];
-  for (int i = 0; i < n; ++i)
-    LILY_CHECK(int64_t(Ws[i].N) * W.K * W.bits / 128 < (int64_t(1) << 31), "qmv: W (", Ws[i].N, "×", W.K,
-               ") has too many 16-byte chunks for 32-bit indexing");
-
   const int epc = 128 / W.bits;
   QmvParams p;
   p.nseg = n;
@@ -374,7 +520,33 @@ void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* c
   p.groups = W.K / W.group;
   p.gshift = log2_exact(W.group / epc);
   p.y_f32 = y_f32;
+  p.split_log = 0;
+  p.rows = 0;
+  for (int i = 0; i < n; ++i) {
+    p.seg[i] = QmvSeg{Ws[i].w, Ws[i].scales, Ws[i].biases, ys[i], Ws[i].N, 0, p.rows};
+    p.rows += Ws[i].N;
+  }
+  return p;
+}
 
+// kQmvMaxT < T ≤ kQmvShortMaxT on the tensor cores (switch qmv_mma; K a multiple of the 64-k step).
+bool mma_applies(const Ctx& ctx, const QMatrix& W, int T) {
+  return T > kQmvMaxT && T <= kQmvShortMaxT && W.K % 64 == 0 && ctx.opts.on(Opt::qmv_mma);
+}
+
+void qmv_mma(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
+  const QmvParams p = qmv_params(Ws, n, x, ys, y_f32);
+  const unsigned grid = unsigned(cdiv(p.rows, 8 * kMmaTiles));
+  dispatch_bits(Ws[0].bits, [&](auto bits) {
+    launch(ctx, qmv_mma_kernel<decltype(bits)::value>, grid, kMmaWarps * 32, 0, p, T);
+  });
+  check_launch("qmv_mma");
+}
+
+// T ≤ kQmvMaxT: qmv_kernel, or qmv_stream_kernel for one token.
+void qmv_simt(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
+  const QMatrix& W = Ws[0];
+  QmvParams p = qmv_params(Ws, n, x, ys, y_f32);
   const size_t smem = size_t(T) * W.K * 4 + size_t(T) * p.chunks * 4;
   LILY_CHECK(smem + red_bytes(T) <= ctx.smem_optin, "qmv: staging x for T=", T, ", K=", W.K, " needs ", smem,
              " bytes of shared memory, over the device's ", ctx.smem_optin);
@@ -382,17 +554,14 @@ void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* c
   // Split K across warps while the grid is short of ~16 warps per SM and every lane keeps a whole chunk.
   int64_t row_warps = 0;
   for (int i = 0; i < n; ++i) row_warps += cdiv(Ws[i].N, kRows);
-  p.split_log = 0;
   while (p.split_log < 3 && (64 << p.split_log) <= p.chunks && (row_warps << p.split_log) < 16 * ctx.num_sms)
     ++p.split_log;
   int64_t grid = 0;
-  p.rows = 0;
   const int cpl = p.chunks / 32, rpu = cpl >= 1 && cpl <= 4 ? 4 / cpl : 0;
   bool whole_units = p.chunks % 32 == 0 && rpu > 0;
   for (int i = 0; i < n; ++i) {
-    p.seg[i] = QmvSeg{Ws[i].w, Ws[i].scales, Ws[i].biases, ys[i], Ws[i].N, int(grid), p.rows};
+    p.seg[i].block0 = int(grid);
     grid += cdiv(Ws[i].N, (kWarps >> p.split_log) * kRows);
-    p.rows += Ws[i].N;
     whole_units = whole_units && Ws[i].N % rpu == 0;
   }
 
@@ -427,22 +596,23 @@ void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* c
   check_launch("qmv");
 }
 
+}  // namespace
+
+bool qmv_takes(const Ctx& ctx, const QMatrix& W, int T) { return T <= kQmvMaxT || mma_applies(ctx, W, T); }
+
+void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
+  check_qmv(Ws, n, x, T, mma_applies(ctx, Ws[0], T) ? kQmvShortMaxT : kQmvMaxT, ys);  // backend/checks.h
+  for (int i = 0; i < n; ++i)  // this file's index width
+    LILY_CHECK(int64_t(Ws[i].N) * Ws[0].K * Ws[0].bits / 128 < (int64_t(1) << 31), "qmv: W (", Ws[i].N, "×",
+               Ws[0].K, ") has too many 16-byte chunks for 32-bit indexing");
+  if (T > kQmvMaxT)
+    qmv_mma(ctx, Ws, n, x, T, ys, y_f32);
+  else
+    qmv_simt(ctx, Ws, n, x, T, ys, y_f32);
+}
+
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) {
   qmv_multi(ctx, &W, 1, x, T, &y, y_f32);
-}
-
-bool qmv_takes(const Ctx& ctx, int T) {
-  return T <= kQmvMaxT || (T <= kQmvPassesMaxT && ctx.opts.on(Opt::qmv_passes));
-}
-
-void qmv_passes(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
-  LILY_CHECK(n >= 1 && n <= 4, "qmv: ", n, " matrices (1 to 4)");
-  const size_t elem = y_f32 ? sizeof(float) : sizeof(bf16);
-  for (int t0 = 0; t0 < T; t0 += kQmvMaxT) {
-    void* y[4];
-    for (int i = 0; i < n; ++i) y[i] = static_cast<char*>(ys[i]) + size_t(t0) * Ws[i].N * elem;
-    qmv_multi(ctx, Ws, n, x + size_t(t0) * Ws[0].K, std::min(kQmvMaxT, T - t0), y, y_f32);
-  }
 }
 
 }  // namespace lily::cuda
