@@ -275,12 +275,11 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
   const int warps = gridDim.x * kStreamWarps, units = p.rows / RPU;
   int u = blockIdx.x * kStreamWarps + (threadIdx.x >> 5);
 
-  auto locate = [&](int row, int& n) -> const QmvSeg& { return locate_row(p, row, n); };
   auto load = [&](int unit, StreamUnit<RPU, CPL>& U) {
 #pragma unroll
     for (int r = 0; r < RPU; ++r) {
       int n;
-      const QmvSeg& sg = locate(RPU * unit + r, n);
+      const QmvSeg& sg = locate_row(p, RPU * unit + r, n);
       const uint4* w4 = reinterpret_cast<const uint4*>(sg.w) + size_t(n) * C;
 #pragma unroll
       for (int i = 0; i < CPL; ++i) {
@@ -325,7 +324,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
       const float v = warp_sum(acc[r]);
       if (lane == 0) {
         int n;
-        const QmvSeg& sg = locate(RPU * unit + r, n);
+        const QmvSeg& sg = locate_row(p, RPU * unit + r, n);
         if (p.y_f32)
           static_cast<float*>(sg.y)[n] = v;
         else
@@ -382,13 +381,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2) qmv_mma_kernel(const QmvPar
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int steps = p.K / 64, row0 = blockIdx.x * R, lg = p.gshift + (BITS == 4 ? 5 : 4);  // log2(group)
 
-  auto locate = [&](int row, int& n) -> const QmvSeg& { return locate_row(p, row, n); };
   const uint32_t* wrow[RT];  // this lane's row of each n-tile (rows past the launch's repeat the last one)
   const uint16_t *srow[RT], *brow[RT];
 #pragma unroll
   for (int i = 0; i < RT; ++i) {
     int n;
-    const QmvSeg& sg = locate(min(row0 + 8 * i + g, p.rows - 1), n);
+    const QmvSeg& sg = locate_row(p, min(row0 + 8 * i + g, p.rows - 1), n);
     wrow[i] = sg.w + size_t(n) * (p.K * BITS / 32);
     srow[i] = sg.s + size_t(n) * p.groups;
     brow[i] = sg.b + size_t(n) * p.groups;
@@ -487,7 +485,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2) qmv_mma_kernel(const QmvPar
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) v += red[w][t][r];
     int n;
-    const QmvSeg& sg = locate(row, n);
+    const QmvSeg& sg = locate_row(p, row, n);
     if (p.y_f32)
       static_cast<float*>(sg.y)[size_t(t) * sg.N + n] = v;
     else
