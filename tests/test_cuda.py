@@ -130,6 +130,31 @@ def test_snapshot_restore_on_gpu(tiny_pair):
     assert np.array_equal(s.prefill(tokens[30:]), a) and s.tokens == tokens.tolist()
 
 
+@pytest.mark.parametrize("at", [14, 100, 186])
+def test_save_at_on_gpu(mid_pair, at):
+    """A snapshot taken on the way through a 200-token prefill (save_at: the GDN conv and scan in two parts, the
+    first chunked or token by token as its length says) restores a state that continues as a prefill stopped there
+    does, and the prefill's own last logits stay those of one that took none."""
+    gpu = mid_pair[1]
+    tokens = np.random.default_rng().integers(0, gpu.n_valid, 220).astype(np.int32)
+    ref = gpu.core.session(max_context=256)
+    ref.prefill(tokens[:at])
+    want = ref.forward_all(tokens[at:])
+    plain = gpu.core.session(max_context=256).prefill(tokens[:200])
+    s = gpu.core.session(max_context=256)
+    s.save_at(at)
+    last = s.prefill(tokens[:200])
+    saved = s.take_saved()
+    assert saved is not None and saved.on_device and saved.tokens == tokens[:at].tolist()
+    for wanted in (plain, want[199 - at]):  # the 200th token's logits
+        assert np.linalg.norm(last - wanted) / np.linalg.norm(wanted) < 0.05
+    s.restore(saved)
+    got = s.forward_all(tokens[at:])
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    agree = (got.argmax(-1) == want.argmax(-1)).mean()
+    assert rel < 0.05 and agree >= 0.9, (rel, agree)
+
+
 @pytest.mark.parametrize("switches", ["on", "off"])
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
 def test_prompt_lengths_match_cpu(mid_pair, mid_plain, n, switches):

@@ -86,6 +86,48 @@ def test_snapshot_restore_replays_exactly(model, rng):
     np.testing.assert_array_equal(fresh.forward_all(more), first)
 
 
+# (prefill chunk, position of the snapshot): inside a chunk, at its ends, after the first token, before the last.
+@pytest.mark.parametrize("chunk, at", [(16, 21), (16, 32), (16, 6), (64, 45), (64, 63), (7, 40)])
+def test_save_at_snapshots_on_the_way(oracle_checkpoints, geometry, rng, chunk, at):
+    """save_at: the next prefill takes the snapshot when the state holds `at` tokens, inside its forward passes (each
+    GDN layer's conv and scan in two parts there). On the CPU it is, byte for byte, the snapshot of a prefill that
+    stopped there, and the prefill's own logits and end state are those of a prefill that took none."""
+    model = lily.load(oracle_checkpoints.path(geometry), backend="cpu")
+    tokens = _ids(rng, model, 64)
+    ref = model.core.session(max_context=64, prefill_chunk=chunk)
+    ref.prefill(tokens[:5])
+    ref.prefill(tokens[5:at])
+    want = ref.snapshot()
+    plain = model.core.session(max_context=64, prefill_chunk=chunk)
+    plain.prefill(tokens[:5])
+    want_logits = plain.prefill(tokens[5:])
+
+    s = model.core.session(max_context=64, prefill_chunk=chunk)
+    s.prefill(tokens[:5])
+    s.save_at(at)
+    np.testing.assert_array_equal(s.prefill(tokens[5:]), want_logits)
+    got = s.take_saved()
+    assert got is not None and got.position == at and got.tokens == tokens[:at].tolist()
+    assert got.to_bytes() == want.to_bytes()
+    assert s.snapshot().to_bytes() == plain.snapshot().to_bytes()
+    assert s.take_saved() is None  # taken
+
+
+def test_save_at_lapses_with_the_prefill_that_does_not_reach_it(model, rng):
+    tokens = _ids(rng, model, 30)
+    s = model.core.session(max_context=64, prefill_chunk=8)
+    s.prefill(tokens[:10])
+    s.save_at(5)  # behind the state already
+    s.prefill(tokens[10:20])
+    assert s.take_saved() is None
+    s.save_at(25)  # beyond this prefill: it lapses at its end, and the next one passing there takes nothing
+    s.prefill(tokens[20:22])
+    s.prefill(tokens[22:])
+    assert s.take_saved() is None and s.position == 30
+    with pytest.raises(ValueError, match="negative"):
+        s.save_at(-1)
+
+
 def test_python_session_snapshot_keeps_tokens(model, rng):
     session = model.session(max_context=128)
     head, more = _ids(rng, model, 12).tolist(), _ids(rng, model, 5).tolist()

@@ -300,15 +300,31 @@ void Session::mixer_attention(const LayerWeights& L, int T, void* k_cache, void*
   be_.qmm(L.o_proj, attn_alpha_, T, d_, false);
 }
 
-void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state) {
+void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state, int cut, Snapshot* save,
+                        int gdn) {
   const Config& c = model_.config();
   GdnArgs a{T, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
             c.linear_conv_kernel_dim, float(c.rms_norm_eps)};
   const QMatrix proj[4] = {L.in_proj_qkv, L.in_proj_z, L.in_proj_b, L.in_proj_a};
   void* const out[4] = {qg_x_, k_z_, v_b_, attn_alpha_};  // X [T, conv_dim], z [T, NV·DV], b [T, NV], α [T, NV]
   be_.qmm_multi(proj, 4, a_, T, out);
-  be_.gdn_conv(a, qg_x_, L.conv1d, conv_state, conv_out_);                           // C = silu(conv(X))
-  be_.gdn_scan(a, conv_out_, v_b_, attn_alpha_, L.A_log, L.dt_bias, rec_state, y_);  // y [T, NV, DV]
+  if (!cut) {
+    be_.gdn_conv(a, qg_x_, L.conv1d, conv_state, conv_out_);                           // C = silu(conv(X))
+    be_.gdn_scan(a, conv_out_, v_b_, attn_alpha_, L.A_log, L.dt_bias, rec_state, y_);  // y [T, NV, DV]
+  } else {  // the same in two parts, tokens [0, cut) and [cut, T), the state after the first saved between them
+    const size_t ab = be_.act_bytes(), C = c.conv_dim(), NV = a.NV, Y = size_t(a.NV) * a.DV;
+    auto row = [&](void* p, size_t width, int t) { return static_cast<uint8_t*>(p) + size_t(t) * width * ab; };
+    GdnArgs a1 = a, a2 = a;
+    a1.T = cut;
+    a2.T = T - cut;
+    be_.gdn_conv(a1, qg_x_, L.conv1d, conv_state, conv_out_);
+    save_bytes(*save, save->gdn_offset(gdn), conv_state, save->conv_bytes);
+    be_.gdn_conv(a2, row(qg_x_, C, cut), L.conv1d, conv_state, row(conv_out_, C, cut));
+    be_.gdn_scan(a1, conv_out_, v_b_, attn_alpha_, L.A_log, L.dt_bias, rec_state, y_);
+    save_bytes(*save, save->gdn_offset(gdn) + save->conv_bytes, rec_state, save->rec_bytes);
+    be_.gdn_scan(a2, row(conv_out_, C, cut), row(v_b_, NV, cut), row(attn_alpha_, NV, cut), L.A_log, L.dt_bias,
+                 rec_state, row(y_, Y, cut));
+  }
   be_.gdn_norm(a, y_, k_z_, L.gdn_norm, qg_x_);                                      // o [T, NV·DV]
   be_.qmm(L.out_proj, qg_x_, T, d_, false);
 }
@@ -322,6 +338,15 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
   reserve_kv(pos_ + T);
   if (tokens) be_.to_device(tok_, tokens, size_t(T) * sizeof(int32_t));
   if (!device_pos) pos_dev_valid_ = false;
+  // save_at inside this call: the state after `cut` of its tokens is saved on the way (the KV rows after the layers)
+  if (tokens) save_if_at();
+  const int cut = tokens && save_pos_ > pos_ && save_pos_ < pos_ + T ? save_pos_ - pos_ : 0;
+  std::optional<Snapshot> part;
+  if (cut) {
+    std::vector<int32_t> held = tokens_;
+    held.insert(held.end(), tokens, tokens + cut);
+    part = snapshot_layout(save_pos_, std::move(held));
+  }
   be_.embed(W.embed, static_cast<const int32_t*>(tok_), T, x_);
   int attn_i = 0, gdn_i = 0;
   for (size_t il = 0; il < W.layers.size(); ++il) {
@@ -331,16 +356,22 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
       mixer_attention(L, T, k_cache_[attn_i], v_cache_[attn_i], device_pos);
       ++attn_i;
     } else {
-      mixer_gdn(L, T, conv_[gdn_i], rec_[gdn_i]);
+      mixer_gdn(L, T, conv_[gdn_i], rec_[gdn_i], cut, part ? &*part : nullptr, gdn_i);
       ++gdn_i;
     }
     MoeArgs m{T, H, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
               c.shared_expert_intermediate_size, c.norm_topk_prob};
     be_.moe_residual(x_, d_, L.post_norm, eps, m, L.moe, a_, d_);  // x += mixer; x += MoE(post-norm(x))
   }
+  if (part) {
+    save_kv(*part);  // rows below the cut: final once the layers ran
+    saved_ = std::move(part);
+    save_pos_ = -1;
+  }
   pos_ += T;
   processed_ += T;
   if (tokens) tokens_.insert(tokens_.end(), tokens, tokens + T);  // a device decode step's token: Generator::token_fed
+  if (tokens) save_if_at();
   if (mode == Logits::None) return;
   const size_t V = c.vocab_size;
   const int rows = mode == Logits::All ? T : 1;
@@ -379,8 +410,17 @@ void Session::chunk_done(const ChunkHook& hook, int done, int total) {
   hook(done, total);
 }
 
+namespace {
+// The end of a prefill, also by an exception: a save_at request it did not reach lapses.
+struct SaveLapses {
+  int& pos;
+  ~SaveLapses() { pos = -1; }
+};
+}  // namespace
+
 void Session::prefill_device(const int32_t* tokens, int n, const ChunkHook& hook) {
   Hold hold(*this);
+  SaveLapses lapses{save_pos_};
   LILY_CHECK(n >= 1, "prefill needs at least one token");
   check_room(n);
   check_tokens(tokens, n);
@@ -437,6 +477,7 @@ void Session::check_tokens(const int32_t* tokens, int n) const {
 
 void Session::prefill(const int32_t* tokens, int n, float* logits, const ChunkHook& hook) {
   Hold hold(*this);
+  SaveLapses lapses{save_pos_};
   LILY_CHECK(n >= 1, "prefill needs at least one token");
   check_room(n);
   check_tokens(tokens, n);
@@ -452,6 +493,7 @@ void Session::prefill(const int32_t* tokens, int n, float* logits, const ChunkHo
 
 void Session::forward_all(const int32_t* tokens, int n, float* logits, const ChunkHook& hook) {
   Hold hold(*this);
+  SaveLapses lapses{save_pos_};
   LILY_CHECK(n >= 1, "forward_all needs at least one token");
   check_room(n);
   check_tokens(tokens, n);
@@ -465,44 +507,76 @@ void Session::forward_all(const int32_t* tokens, int n, float* logits, const Chu
   }
 }
 
-Snapshot Session::snapshot() const {
-  Hold hold(*this);
-  LILY_ASSERT(tokens_.size() == size_t(pos_), "session holds ", int(pos_), " positions but knows ", tokens_.size(),
-              " tokens");
+Snapshot Session::snapshot_layout(int pos, std::vector<int32_t> tokens) const {
   const Config& c = model_.config();
   Snapshot s;
   s.fingerprint = model_.fingerprint();
-  s.pos = pos_;
-  s.tokens = tokens_;
+  s.pos = pos;
+  s.tokens = std::move(tokens);
   s.kv_row_bytes = size_t(c.num_key_value_heads) * c.head_dim * be_.act_bytes();
   s.conv_bytes = size_t(c.linear_conv_kernel_dim - 1) * c.conv_dim() * be_.act_bytes();
   s.rec_bytes = size_t(c.linear_num_value_heads) * c.linear_value_head_dim * c.linear_key_head_dim * sizeof(float);
   s.attn_layers = int(k_cache_.size());
   s.gdn_layers = int(conv_.size());
-  auto memory = std::make_shared<StateMemory>(
-      model_.shared_backend(), s.gdn_offset(s.gdn_layers));  // the end of the layout: its size
-  uint8_t* dst = static_cast<uint8_t*>(memory->data());
-  auto save = [&](size_t at, const void* src, size_t n) {
-    if (!n) return;
-    if (memory->on_device())
-      be_.copy(dst + at, src, n);
-    else
-      be_.to_host(dst + at, src, n);
-  };
+  s.memory = std::make_shared<StateMemory>(model_.shared_backend(),
+                                           s.gdn_offset(s.gdn_layers));  // the end of the layout: its size
+  return s;
+}
+
+// No sync: device copies are ordered with the work after them on the backend's queue (a restore, a read through
+// to_host, the next forward), and a release waits for them; host copies (to_host) have completed already. So the
+// server's snapshot of a prompt's opening turn does not stall the queue before the rest of the prompt.
+void Session::save_bytes(Snapshot& s, size_t at, const void* src, size_t n) const {
+  if (!n) return;
+  uint8_t* dst = static_cast<uint8_t*>(s.memory->data()) + at;
+  if (s.memory->on_device())
+    be_.copy(dst, src, n);
+  else
+    be_.to_host(dst, src, n);
+}
+
+void Session::save_kv(Snapshot& s) const {
   const size_t rows = size_t(s.pos) * s.kv_row_bytes;  // the used rows only
   for (int l = 0; l < s.attn_layers; ++l) {
-    save(s.kv_offset(l), k_cache_[l], rows);
-    save(s.kv_offset(l) + rows, v_cache_[l], rows);
+    save_bytes(s, s.kv_offset(l), k_cache_[l], rows);
+    save_bytes(s, s.kv_offset(l) + rows, v_cache_[l], rows);
   }
-  for (int l = 0; l < s.gdn_layers; ++l) {
-    save(s.gdn_offset(l), conv_[l], s.conv_bytes);
-    save(s.gdn_offset(l) + s.conv_bytes, rec_[l], s.rec_bytes);
-  }
-  // No sync: device copies are ordered with the work after them on the backend's queue (a restore, a read through
-  // to_host, the next forward), and a release waits for them; host copies (to_host) have completed already. So the
-  // server's snapshot of a prompt's opening turn does not stall the queue before the rest of the prompt.
-  s.memory = std::move(memory);
+}
+
+void Session::save_gdn(Snapshot& s, int l) const {
+  save_bytes(s, s.gdn_offset(l), conv_[l], s.conv_bytes);
+  save_bytes(s, s.gdn_offset(l) + s.conv_bytes, rec_[l], s.rec_bytes);
+}
+
+Snapshot Session::snapshot() const {
+  Hold hold(*this);
+  LILY_ASSERT(tokens_.size() == size_t(pos_), "session holds ", int(pos_), " positions but knows ", tokens_.size(),
+              " tokens");
+  Snapshot s = snapshot_layout(pos_, tokens_);
+  save_kv(s);
+  for (int l = 0; l < s.gdn_layers; ++l) save_gdn(s, l);
   return s;
+}
+
+void Session::save_at(int pos) {
+  Hold hold(*this);
+  LILY_CHECK(pos >= 0, "save_at: position ", pos, " is negative");
+  save_pos_ = pos;
+  saved_.reset();
+}
+
+std::optional<Snapshot> Session::take_saved() {
+  Hold hold(*this);
+  save_pos_ = -1;
+  std::optional<Snapshot> s = std::move(saved_);
+  saved_.reset();
+  return s;
+}
+
+void Session::save_if_at() {
+  if (save_pos_ < 0 || save_pos_ != pos_) return;
+  saved_ = snapshot();
+  save_pos_ = -1;
 }
 
 void Session::restore(const Snapshot& s) {

@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -178,6 +179,14 @@ class Session {
 
   // The state now, in backend memory where there is room (StateMemory); device copies of the used KV rows only.
   Snapshot snapshot() const;
+  // Asks the next prefill (prefill, prefill_device, forward_all) to take a snapshot on the way, when the state holds
+  // `pos` tokens, if it passes there: inside a chunk the same forward pass saves it (each GDN layer's conv and scan
+  // run in two parts around `pos`, their state copied between them; the KV rows after the pass), so that a server
+  // snapshotting a conversation's opening turn reads the weights once, not once more for the rest of the prompt.
+  // The request lapses when that prefill ends; take_saved() returns the snapshot (none if it was not taken) and
+  // drops a request still pending.
+  void save_at(int pos);
+  std::optional<Snapshot> take_saved();
   // Throws InputError for a snapshot of another model (fingerprint) or geometry, or one that holds too many tokens.
   void restore(const Snapshot& s);
   // Allocates the KV rows of `tokens` more tokens (up to max_context) at once, so that the caches do not grow, and
@@ -195,7 +204,17 @@ class Session {
   void reserve_kv(int rows);
   void reserve_work(int T);
   void mixer_attention(const LayerWeights& L, int T, void* k_cache, void* v_cache, bool device_pos);
-  void mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state);
+  // cut (0 < cut < T): the GDN state after the first cut tokens is saved into layer `gdn` of `save` on the way.
+  void mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state, int cut = 0, Snapshot* save = nullptr,
+                 int gdn = 0);
+  // A snapshot of the first `pos` positions holding `tokens`: its layout and memory, nothing copied yet; then its
+  // parts copied from the session's state (the KV rows below s.pos; GDN layer l's conv and recurrent state).
+  Snapshot snapshot_layout(int pos, std::vector<int32_t> tokens) const;
+  void save_kv(Snapshot& s) const;
+  void save_gdn(Snapshot& s, int l) const;
+  void save_bytes(Snapshot& s, size_t at, const void* src, size_t n) const;
+  // save_at: a snapshot is taken when a prefill's state holds this many tokens (-1: none asked for).
+  void save_if_at();
 
   friend class Generator;  // records the tokens a device decode step fed (token_fed)
   // A device decode step fed a token the host learns only afterwards: the generator records it here.
@@ -236,6 +255,8 @@ class Session {
   int logits_rows_ = 0;
   int32_t* pos_dev_ = nullptr;  // device copy of pos_ for replayed decode steps
   bool pos_dev_valid_ = false;
+  int save_pos_ = -1;                // save_at's position, until the prefill that asked for it ends
+  std::optional<Snapshot> saved_;   // what it took, for take_saved()
 };
 
 }  // namespace lily

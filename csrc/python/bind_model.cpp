@@ -370,6 +370,11 @@ void init_model(nb::module_& m) {
       .def("reserve", &Session::reserve, "tokens"_a, nb::call_guard<nb::gil_scoped_release>(),
            "Room for `tokens` more positions: the KV caches grown once now, not as they fill.")
       .def("snapshot", &Session::snapshot, nb::call_guard<nb::gil_scoped_release>())
+      .def("save_at", &Session::save_at, "pos"_a, nb::call_guard<nb::gil_scoped_release>(),
+           "Asks the next prefill to snapshot the state on the way when it holds `pos` tokens (in the same forward "
+           "passes); take_saved() returns it. The request lapses when that prefill ends.")
+      .def("take_saved", &Session::take_saved, nb::call_guard<nb::gil_scoped_release>(),
+           "The snapshot save_at asked for, or None if the prefill did not pass there; drops a pending request.")
       .def("restore", &Session::restore, "snapshot"_a, nb::call_guard<nb::gil_scoped_release>(),
            "Restores a snapshot of this model (ValueError for another model's, or another geometry's).");
 

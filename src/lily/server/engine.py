@@ -1,10 +1,10 @@
 """The engine: the model, its one session and the prefix cache, driven by a worker thread that serves requests
 (`Job`s) one at a time in arrival order, whatever API they came by. A request whose client goes away is cancelled
 between tokens (and between the chunks of a long prefill). Before each prompt the engine restores the longest saved
-prefix of it (the live session state or a `PrefixCache` snapshot; a new conversation's opening turn, up to its first
-`<|im_end|>\\n`, is snapshotted on the way), then lets the generation prefill the rest in one call. After the reply
-it snapshots again: a conversation continued with one more turn (Conversations) prefills only that turn. Also the
-counters behind /metrics."""
+prefix of it (the live session state or a `PrefixCache` snapshot), then lets the generation prefill the rest in one
+call; a new conversation's opening turn, up to its first `<|im_end|>\\n`, is snapshotted on the way, inside that
+call's forward passes (Session.save_at). After the reply it snapshots again: a conversation continued with one more
+turn (Conversations) prefills only that turn. Also the counters behind /metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -220,11 +220,7 @@ class Engine:
         params = job.sampling.build(self.model, self.max_context - n)
         job.emit("accepted", prompt)
         t0 = time.perf_counter()
-        try:
-            cached = self._prepare(prompt.ids, job, params.max_tokens)
-        except _Cancelled:
-            self._cancelled(job)
-            return
+        cached = self._prepare(prompt.ids, params.max_tokens)
         t_first = t_end = None
         last: GenerationResponse | None = None
         generated = []
@@ -244,6 +240,7 @@ class Engine:
             pass
         finally:
             stream.close()
+            self._keep_opening()
         if last is None or last.finish_reason is None:
             self._cancelled(job)
             return
@@ -280,13 +277,13 @@ class Engine:
                 raise _Cancelled
         return check
 
-    def _prepare(self, ids: list[int], job: Job, max_tokens: int) -> int:
+    def _prepare(self, ids: list[int], max_tokens: int) -> int:
         """Brings the session to the longest saved prefix of `ids` (the live state or a cached snapshot). If that
         does not reach the end of the prompt's first turn (a new conversation: its system prompt and tools, which
-        other conversations and agents' sub-sessions often share), feeds up to there and snapshots it. The
-        generation prefills the rest in one call, so a continued conversation's turn is one forward pass over its
-        new tokens, as the engine's own. The KV caches are sized for the prompt and `max_tokens` first. Returns how
-        many tokens came from saved state; _Cancelled if the job is cancelled meanwhile."""
+        other conversations and agents' sub-sessions often share), asks for a snapshot there: the generation, which
+        prefills the rest in one call, takes it on the way (_keep_opening caches it), so the prompt is one pass over
+        the weights however it splits, as the engine's own. The KV caches are sized for the prompt and `max_tokens`
+        first. Returns how many tokens came from saved state."""
         s, n = self.session, len(ids)
         held = s.tokens
         live = len(held) if 0 < len(held) < n and held == ids[:len(held)] else 0
@@ -299,9 +296,14 @@ class Engine:
         s.reserve(n - cached + max_tokens)  # the KV caches once for the prompt and the reply, not per part
         opening = self._first_turn_end(ids)
         if self.cache is not None and cached < opening < n:
-            s.feed(ids[cached:opening], progress=self._watch(job))  # no logits: nobody reads them
-            self._remember()
+            s.core.save_at(opening)
         return cached
+
+    def _keep_opening(self) -> None:
+        """Caches the snapshot the generation's prefill took on the way (_prepare), if it got that far."""
+        saved = self.session.core.take_saved()
+        if saved is not None and self.cache is not None:
+            self.cache.insert(saved)
 
     def _remember(self) -> None:
         """Caches a snapshot of the session (keyed by the tokens it holds)."""

@@ -1,0 +1,47 @@
+"""One switch's worth on decode, finer than `lily bench --ablate` (one generation per point): two models from one
+checkpoint (full geometry, random 4-bit weights), the switch off in one, generations through the default path
+(`lily.bench.measure`: lily.stream_generate, the model's sampling, the device loop) alternating between them (ABBA
+order), the median decode rate of each at each context length. `--off` names a set of switches turned off in both.
+
+    python benchmarks/probes/ab_decode.py SWITCH [SWITCH ...] [--backend cuda] [--lengths 4096,32768] [--runs 6]
+"""
+import argparse
+
+import numpy as np
+
+import lily
+from lily.bench import FULL_TEXT_CONFIG, measure
+from lily.tiny import build_random
+
+
+def main() -> None:
+    names = [n for n, _, _ in lily.optimisations()]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("switches", nargs="+", choices=names)
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--lengths", default="4096,32768")
+    ap.add_argument("--tokens", type=int, default=192, help="decoded tokens per generation")
+    ap.add_argument("--runs", type=int, default=6, help="generations per model and length")
+    ap.add_argument("--off", default="", help="switches off in both models (comma-separated)")
+    args = ap.parse_args()
+    base = [n for n in args.off.split(",") if n]
+    ckpt = build_random(FULL_TEXT_CONFIG, seed=0)
+    rng = np.random.default_rng(0)
+    for switch in args.switches:
+        models = {"on": lily.Model(ckpt, args.backend, base), "off": lily.Model(ckpt, args.backend, base + [switch])}
+        for m in models.values():
+            m.eos_token_ids = []  # every generation runs its token count
+            measure(m, 256, 8, rng)  # warm-up: kernels loaded, scratch grown
+        for L in (int(x) for x in args.lengths.split(",")):
+            rates = {"on": [], "off": []}
+            for i in range(args.runs):
+                for k in ("on", "off") if i % 2 == 0 else ("off", "on"):
+                    rates[k].append(measure(models[k], L, args.tokens, rng)["decode_tok_s"])
+            on, off = (float(np.median(rates[k])) for k in ("on", "off"))
+            print(f"{switch} @ {L}: on {on:.1f} tok/s, off {off:.1f}: {100 * (on / off - 1):+.2f} % from the switch "
+                  f"(on {[round(r, 1) for r in rates['on']]}, off {[round(r, 1) for r in rates['off']]})", flush=True)
+        del models
+
+
+if __name__ == "__main__":
+    main()
