@@ -50,6 +50,7 @@
 //          + combine ~10 µs), 78 µs at 128K (3.4 TB/s of K/V).
 //          v2 (2026-12-02) attn_wgmma for prefill: the 4096-token chunk after 28,672 tokens 5.38 ms per layer
 //          (383 TFLOP/s; mma.sync ~250); 32K / 128K prefill end to end +10 % / +24 % (benchmarks/NOTES.md v7).
+//          v3 (2026-12-03) attn_prep loads its q/k norm weights before the PDL wait (benchmarks/NOTES.md v11).
 #include "backend/checks.h"
 #include "backend/cuda/ops.cuh"
 #include "backend/cuda/wgmma.cuh"
@@ -129,38 +130,37 @@ __global__ void __launch_bounds__(32 * kPrepWarps) attn_prep_kernel(const KArgs 
                                                                   bf16* __restrict__ k_cache,
                                                                   bf16* __restrict__ v_cache, bf16* __restrict__ q) {
   pdl_trigger();
-  pdl_wait();
   constexpr int VPL = kMaxHD / 32;  // values per lane at most; unrolled so that all loads are in flight at once
   __shared__ float buf[kPrepWarps][kMaxHD];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   const int item = blockIdx.x * kPrepWarps + wib, per_t = a.NH + a.NKV;
   if (item >= a.T * per_t) return;  // whole warp; only __syncwarp below
   const int t = item / per_t, j = item % per_t, HD = a.HD;
+  float wv[VPL];  // the norm's weights before the PDL wait
+#pragma unroll
+  for (int u = 0; u < VPL; ++u) wv[u] = lane + 32 * u < HD ? (j < a.NH ? q_norm : k_norm)[lane + 32 * u] : 0.0f;
+  pdl_wait();
   const int pos = cur_pos0(a) + t;
   const bf16* src;
-  const float* w;
   bf16* dst;
   if (j < a.NH) {
     src = qg + (size_t(t) * a.NH + j) * 2 * HD;
-    w = q_norm;
     dst = q + (size_t(t) * a.NH + j) * HD;
   } else {
     if (pos >= a.cache_cap) return;  // host checks pos0 + T ≤ cap; a stale device position never writes past it
     const int h = j - a.NH;
     const size_t in = (size_t(t) * a.NKV + h) * HD, row = (size_t(pos) * a.NKV + h) * HD;
     src = k + in;
-    w = k_norm;
     dst = k_cache + row;
 #pragma unroll
     for (int u = 0; u < VPL; ++u)
       if (lane + 32 * u < HD) v_cache[row + lane + 32 * u] = v[in + lane + 32 * u];
   }
-  float xv[VPL], wv[VPL], ss = 0.0f;
+  float xv[VPL], ss = 0.0f;
 #pragma unroll
   for (int u = 0; u < VPL; ++u) {
     const int i = lane + 32 * u;
     xv[u] = i < HD ? to_f(src[i]) : 0.0f;
-    wv[u] = i < HD ? w[i] : 0.0f;
     ss += xv[u] * xv[u];
   }
   ss = warp_sum(ss);

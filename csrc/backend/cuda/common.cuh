@@ -58,7 +58,9 @@ void join_side(const Ctx& ctx);
 // In the replayed decode step with the `pdl` switch on (Ctx::pdl), every kernel is launched with programmatic stream
 // serialization: it may start while its predecessor in the stream is still running. (Prefill runs without: there the
 // early-launched blocks of the next kernel cost the multi-wave GEMMs 6 % at 4K.) Every kernel therefore follows one rule: before pdl_wait() it only
-// reads memory no kernel writes (weights), and it writes nothing. pdl_wait() returns once the predecessor grid has
+// reads memory that no kernel writes in the step before it (weights; a GDN layer's conv and recurrent state, which only
+// that layer's own kernel writes, one step earlier: an early launch never reaches back across a graph launch or a
+// launch without PDL), and it writes nothing. pdl_wait() returns once the predecessor grid has
 // completed and its writes are visible; without PDL both calls are no-ops. pdl_trigger() lets the successor launch
 // (once every block of this grid has called it or exited); kernels call it as early as possible.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }

@@ -54,8 +54,12 @@
 //          Tried and removed: the chunk scan prefetching chunk c + 2's operands into L2 (cp.async.bulk.prefetch),
 //          351 → 403 µs; W = (I + A)⁻¹·B as a tf32 GEMM after inverting by columns, 192 → 189 µs (not worth the
 //          rounding: the solve is exact fp32).
-//          v5 (current, 2026-12-02), same measure: gdn_conv's 16-byte rows staged by cp.async 88.5 → 80.5 µs;
+//          v5 (2026-12-02), same measure: gdn_conv's 16-byte rows staged by cp.async 88.5 → 80.5 µs;
 //          gdn_norm loading z with y before the reduction 41.3 → 35.7 µs.
+//          v6 (current, 2026-12-03) decode: before the PDL wait the conv loads its taps and state rows, the scan its
+//          state rows (only this layer's own kernel wrote them, a step earlier), the prep its gate weights and the
+//          norm its weights, so that after the wait each reads only what the previous kernel wrote: with route_fused,
+//          decode 519 → 532 tok/s at 4K (the same run's builds; benchmarks/NOTES.md v11).
 #include <algorithm>
 #include <type_traits>
 
@@ -140,7 +144,6 @@ __global__ void __launch_bounds__(kConvThreads, 4) gdn_conv_kernel(const bf16* _
   extern __shared__ __align__(16) unsigned char conv_smem[];
   Row* rows = reinterpret_cast<Row*>(conv_smem) + threadIdx.x;  // this thread's column: row r at rows[r·blockDim]
   pdl_trigger();
-  pdl_wait();
   const int c = V * (blockIdx.x * blockDim.x + threadIdx.x);
   if (c >= C) return;
   const int S = K - 1, lo = KW - K;  // state rows; first live window slot
@@ -153,11 +156,14 @@ __global__ void __launch_bounds__(kConvThreads, 4) gdn_conv_kernel(const bf16* _
     if constexpr (kStaged) return rows[r * kConvThreads];
     else return *reinterpret_cast<const Row*>(U(t0 + r));
   };
-  if constexpr (kStaged) {
+
+  if constexpr (kStaged) {  // a prefill chunk (no PDL): every row requested first
+    pdl_wait();
     for (int r = 0; r < t1 - t0 + S; ++r) cp_async_row(rows + r * kConvThreads, U(t0 + r));
     cp_async_commit();
   }
-
+  // Direct rows: before the PDL wait, what no kernel of this step writes: the taps, and the window rows that are
+  // state, which only this layer's conv of an earlier step wrote. x comes from the previous kernel.
   float wk[KW][V];  // right-aligned taps of the V channels: wk[lo + k][v] = w[c + v, k]
   float win[KW][V];
 #pragma unroll
@@ -170,10 +176,17 @@ __global__ void __launch_bounds__(kConvThreads, 4) gdn_conv_kernel(const bf16* _
       for (int v = 0; v < V; ++v) wk[i][v] = w[size_t(c + v) * K + k];
     }
   }
-  if constexpr (kStaged) cp_async_wait<0>();
+  if constexpr (kStaged) {
+    cp_async_wait<0>();
+  } else {
+#pragma unroll
+    for (int i = 0; i < KW - 1; ++i)
+      if (i >= lo && t0 + i - lo < S) unpack_bf16v<V>(row(i - lo), win[i]);  // U[t0 + k] = state row t0 + k
+    pdl_wait();
+  }
 #pragma unroll
   for (int i = 0; i < KW - 1; ++i)
-    if (i >= lo) unpack_bf16v<V>(row(i - lo), win[i]);  // U[t0 + k], k < K − 1
+    if (i >= lo && (kStaged || t0 + i - lo >= S)) unpack_bf16v<V>(row(i - lo), win[i]);  // U[t0 + k], k < K − 1
 #pragma unroll 4
   for (int t = t0; t < t1; ++t) {
     unpack_bf16v<V>(row(t - t0 + S), win[KW - 1]);  // U[t + K − 1]
@@ -219,12 +232,15 @@ __global__ void __launch_bounds__(kPrepWarps * 32) gdn_scan_prep_kernel(const bf
                                                                         const float* dt_bias, float* qk,
                                                                         float4* gates, int T, int NK, int NV, int C) {
   pdl_trigger();
-  pdl_wait();
   constexpr int kPer = DK / 32;  // values per lane
   const int lane = threadIdx.x & 31;
   const int item = blockIdx.x * kPrepWarps + (threadIdx.x >> 5);
   if (item >= T * NK) return;
   const int t = item / NK, kh = item % NK, R = NV / NK;
+  // The weights of the first value head per lane (the real model: R = 2) before the PDL wait.
+  const int h0 = kh * R + lane;
+  const float a_log0 = lane < R ? A_log[h0] : 0.0f, dt_bias0 = lane < R ? dt_bias[h0] : 0.0f;
+  pdl_wait();
   const bf16* qr = c + size_t(t) * C + size_t(kh) * DK;
   const bf16* kr = qr + size_t(NK) * DK;
   float q[kPer], k[kPer], sq = 0.0f, sk = 0.0f;
@@ -251,9 +267,10 @@ __global__ void __launch_bounds__(kPrepWarps * 32) gdn_scan_prep_kernel(const bf
   for (int j = lane; j < R; j += 32) {
     const int h = kh * R + j;
     const float beta = 1.0f / (1.0f + expf(-to_f(b[size_t(t) * NV + h])));  // β = σ(b)
-    const float x = to_f(alpha[size_t(t) * NV + h]) + dt_bias[h];
+    const float x = to_f(alpha[size_t(t) * NV + h]) + (j == lane ? dt_bias0 : dt_bias[h]);
     const float softplus = fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
-    const float lng = -expf(A_log[h]) * softplus;  // ln g = −exp(A_log)·softplus(α + dt_bias), finite even if g = 0
+    // ln g = −exp(A_log)·softplus(α + dt_bias), finite even if g = 0
+    const float lng = -expf(j == lane ? a_log0 : A_log[h]) * softplus;
     gates[size_t(h) * T + t] = make_float4(expf(lng), beta, kq, lng);
   }
 }
@@ -267,7 +284,6 @@ __global__ void __launch_bounds__(kScanThreads) gdn_scan_kernel(const float* qk,
                                                                 float* state, bf16* y, int T, int NK, int NV,
                                                                 int DV, int C) {
   pdl_trigger();
-  pdl_wait();
   constexpr int kM = DK / (4 * kScanLanes);  // float4 chunks per lane and row
   constexpr int kVPieces = kScanRows / 8;    // 16-byte pieces of bf16 v (or y) per token and block
   __shared__ __align__(16) float s_qk[2][kScanChunk][2 * DK];
@@ -291,6 +307,7 @@ __global__ void __launch_bounds__(kScanThreads) gdn_scan_kernel(const float* qk,
     }
   };
 
+  // The state before the PDL wait: only this layer's scan writes it, in an earlier step (or an earlier call).
   float4 S[kScanRpt][kM];
 #pragma unroll
   for (int j = 0; j < kScanRpt; ++j) {
@@ -299,6 +316,7 @@ __global__ void __launch_bounds__(kScanThreads) gdn_scan_kernel(const float* qk,
 #pragma unroll
     for (int m = 0; m < kM; ++m) S[j][m] = row < DV ? src[kScanLanes * m] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
+  pdl_wait();
 
   const int chunks = int(cdiv(T, kScanChunk));
   load_chunk(0, 0);
@@ -379,12 +397,18 @@ __global__ void __launch_bounds__(kScanThreads) gdn_scan_kernel(const float* qk,
 __global__ void __launch_bounds__(kNormWarps * 32) gdn_norm_kernel(const bf16* y, const bf16* z, const float* w,
                                                                    int rows, int DV, float eps, bf16* out) {
   pdl_trigger();
-  pdl_wait();
   constexpr int kChunks = kNormMaxDv / 128;
   const int lane = threadIdx.x & 31;
   const int r = blockIdx.x * kNormWarps + (threadIdx.x >> 5);
   if (r >= rows) return;
   const size_t o = size_t(r) * DV;
+  float4 wv[kChunks];  // the weights before the PDL wait
+#pragma unroll
+  for (int m = 0; m < kChunks; ++m) {
+    const int j = 4 * lane + 128 * m;
+    wv[m] = j < DV ? *reinterpret_cast<const float4*>(w + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  pdl_wait();
   float4 v[kChunks], zv[kChunks];  // y and z both loaded before the reduction: one memory latency per row, not two
   float ss = 0.0f;
 #pragma unroll
@@ -401,9 +425,9 @@ __global__ void __launch_bounds__(kNormWarps * 32) gdn_norm_kernel(const bf16* y
   for (int m = 0; m < kChunks; ++m) {
     const int j = 4 * lane + 128 * m;
     if (j < DV) {
-      const float4 wv = *reinterpret_cast<const float4*>(w + j), zm = zv[m];
-      store_bf16x4(out + o + j, make_float4(v[m].x * rs * wv.x * siluf_(zm.x), v[m].y * rs * wv.y * siluf_(zm.y),
-                                            v[m].z * rs * wv.z * siluf_(zm.z), v[m].w * rs * wv.w * siluf_(zm.w)));
+      const float4 wm = wv[m], zm = zv[m];
+      store_bf16x4(out + o + j, make_float4(v[m].x * rs * wm.x * siluf_(zm.x), v[m].y * rs * wm.y * siluf_(zm.y),
+                                            v[m].z * rs * wm.z * siluf_(zm.z), v[m].w * rs * wm.w * siluf_(zm.w)));
     }
   }
 }

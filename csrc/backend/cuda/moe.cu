@@ -33,7 +33,10 @@
 //          rb output rows), warp j = slot j (routed experts, then the shared one), each lane one 16-byte chunk of a
 //          row of W_down[e_j]; real shape: 16 lanes per row of 512, 8 rows per block (4 loads in flight per lane),
 //          256 blocks of 9 warps; the ŵ/γ-weighted partials meet in shared memory, summed in slot order.
-//          Registers (sm_90, -O3): gate_up 128 (4-bit) / 110 (8-bit), down 96 / 78, route 32-40, others ≤ 32;
+//          Switch route_fused (decode): no routing kernel; every routed warp of moe_gate_up_kernel runs route_warp's
+//          top-k from the router logits up to its own slot (the same float operations, so every warp agrees), and
+//          block 0 of each token writes the routing and γ for moe_down_kernel.
+//          Registers (sm_90, -O3): gate_up 128 (4-bit) / 125 (8-bit), down 96 / 80, route 32-48, others ≤ 32;
 //          no spills.
 // Checks   shapes of every matrix against MoeArgs; bits 4/8; K % group == 0; 1 ≤ top_k ≤ min(E, 32); E ≤ 256;
 //          H % 8 == 0; m, out 16-byte aligned. The decode kernels also need: top_k ≤ 15, one bit width for
@@ -46,6 +49,11 @@
 //          before the PDL wait in the decode kernels. Tried and removed: router GEMV + softmax + top-k + shared gate
 //          in one kernel with a last-block-arrival tail (8.5 µs against 4.1 + 10.7, but −9.5 % decode end to end).
 //          v3 (2026-12-02) moe_route_block_kernel (switch route_block): decode 457 → 506 tok/s at 4K on the H200.
+//          v4 (2026-12-03) the routing inside moe_gate_up_kernel (switch route_fused): decode +3.1 % / +3.5 % at 4K,
+//          +2.8 % at 32K (benchmarks/probes/ab_decode.py). Tried and removed: moe_down_kernel routing itself before
+//          its PDL wait, gate+up triggering its successor only after its own wait (so that the router had finished):
+//          decode 560 → 509 tok/s at 4K, the down kernel launched too late; gate+up blocks prefetching their
+//          expert's down rows into L2 (cp.async.bulk.prefetch.L2): −0.7 %.
 #include <algorithm>
 
 #include "backend/checks.h"
@@ -93,14 +101,20 @@ using Route = MoeRoute;
 struct DecodeArgs {
   QStack gate, up, down, sgate, sup, sdown;
   const bf16* m;
-  const int32_t* ids;
-  const float* wts;
-  const float* gamma;
+  int32_t* ids;
+  float* wts;
+  float* gamma;
   float* h;  // [T, k+1, hs]
   bf16* out;              // [T, H], unless resid is set
   float* resid;           // if set: resid += MoE(m) (fp32 [T, H]) instead of writing out
   int T, H, k, I, IS, hs;
   int lpr_gu, rb_gu, tiles_gu, rb_down;
+  // Switch route_fused: the routing from the router's logits [T, E] in moe_gate_up_kernel (null: a routing kernel
+  // wrote ids, wts and gamma before it); seg is the shared expert's gate w_seg.
+  const float* logits;
+  QStack seg;
+  int seg_bits, E;
+  bool norm_topk;
 };
 
 // ---- device helpers -----------------------------------------------------------------------------------------------
@@ -177,12 +191,13 @@ __device__ __forceinline__ float key_float(unsigned k) {
 }
 
 // Warp-wide: P = softmax(ℓ) over E ≤ kMaxExperts logits (lane l holds ℓ[l + 32·i] in p[i], -inf past E), the top-k
-// by P (ties → lower id), and ŵ = P / Σ_topk P (norm_topk) or P; lane j < k writes slot j of ids and wts.
+// by P (ties → lower id), and ŵ = P / Σ_topk P (norm_topk) or P; lane j < k writes slot j of ids and wts (ids set).
+// Returns the id the last of the rounds run won (every lane), rounds ≤ k of them: slot rounds − 1's expert.
 // REDUX (switch route_block): the maxima by redux.sync (one instruction each) instead of five shuffle rounds; the
 // same values, the same order.
 template <bool REDUX>
-__device__ __forceinline__ void route_warp(float (&p)[kMaxExperts / 32], int E, int k, bool norm_topk, int32_t* ids,
-                                           float* wts) {
+__device__ __forceinline__ int route_warp(float (&p)[kMaxExperts / 32], int E, int k, bool norm_topk, int32_t* ids,
+                                          float* wts, int rounds) {
   constexpr int kPer = kMaxExperts / 32;
   const int lane = threadIdx.x & 31;
   float mx = -INFINITY;
@@ -204,8 +219,8 @@ __device__ __forceinline__ void route_warp(float (&p)[kMaxExperts / 32], int E, 
 
   // k rounds of argmax over (P desc, id asc); the winner is marked -1. Lane j keeps round j's winner.
   float mine = 0.0f, topsum = 0.0f;
-  int mine_id = 0;
-  for (int j = 0; j < k; ++j) {
+  int mine_id = 0, last = 0;
+  for (int j = 0; j < rounds; ++j) {
     float v = -2.0f;
     int id = 0x7fffffff;
 #pragma unroll
@@ -236,15 +251,24 @@ __device__ __forceinline__ void route_warp(float (&p)[kMaxExperts / 32], int E, 
       mine = v;
       mine_id = id;
     }
+    last = id;
     topsum += v;  // Σ_topk P, in the reference's order (descending P)
 #pragma unroll
     for (int i = 0; i < kPer; ++i)
       if (lane + 32 * i == id) p[i] = -1.0f;
   }
-  if (lane < k) {
+  if (ids && lane < k) {
     ids[lane] = mine_id;
     wts[lane] = norm_topk ? mine / topsum : mine;  // ŵ = P / Σ_topk P
   }
+  return last;
+}
+
+// A warp's p[] of route_warp: lane l gets ℓ[l + 32·i] of the logits row lr, -inf past E.
+__device__ __forceinline__ void load_logits(const float* lr, int E, float (&p)[kMaxExperts / 32]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int i = 0; i < kMaxExperts / 32; ++i) p[i] = lane + 32 * i < E ? lr[lane + 32 * i] : -INFINITY;
 }
 
 // dot += w_seg word wi (its kPerWord codes, dequantised with scale s, bias b) · x[0 .. kPerWord).
@@ -266,6 +290,21 @@ __device__ __forceinline__ void seg_dot(uint32_t w, float s, float b, const bf16
   for (int j = 0; j < kPerWord; ++j) dot = fmaf(v[j], xv[j], dot);
 }
 
+// γ = σ(mr·w_seg) over one warp (every lane gets it): lane owns packed words lane, lane + 32, … and the kPerWord
+// values of mr under each.
+template <int SEG_BITS>
+__device__ __forceinline__ float seg_gate_warp(const QStack& seg, const bf16* mr, int H) {
+  constexpr int kPerWord = 32 / SEG_BITS;
+  const int words = H / kPerWord;
+  float dot = 0.0f;
+#pragma unroll 4
+  for (int wi = threadIdx.x & 31; wi < words; wi += 32) {
+    const int g = wi * kPerWord / seg.group;  // group % kPerWord == 0: a word stays in one group
+    seg_dot<SEG_BITS>(seg.w[wi], bf16_bits_to_f(seg.s[g]), bf16_bits_to_f(seg.b[g]), mr + wi * kPerWord, dot);
+  }
+  return 1.0f / (1.0f + expf(-warp_sum(dot)));
+}
+
 // One warp per token t: the routing of route_warp from logits[t], and γ = σ(m[t]·w_seg).
 template <int SEG_BITS>
 __global__ void __launch_bounds__(kRouteWarps * 32)
@@ -276,24 +315,11 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   constexpr int kPer = kMaxExperts / 32;
   const int lane = threadIdx.x & 31, t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
   if (t >= T) return;  // whole warps only; no block barrier below
-  const float* lr = logits + size_t(t) * E;
   float p[kPer];
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < E ? lr[lane + 32 * i] : -INFINITY;
-  route_warp<false>(p, E, k, norm_topk, r.ids + size_t(t) * k, r.wts + size_t(t) * k);
-
-  // γ = σ(m[t]·w_seg): lane owns packed words lane, lane + 32, … and the kPerWord values of m under each.
-  constexpr int kPerWord = 32 / SEG_BITS;
-  const int words = H / kPerWord;
-  const bf16* mr = m + size_t(t) * H;
-  float dot = 0.0f;
-#pragma unroll 4
-  for (int wi = lane; wi < words; wi += 32) {
-    const int g = wi * kPerWord / seg.group;  // group % kPerWord == 0: a word stays in one group
-    seg_dot<SEG_BITS>(seg.w[wi], bf16_bits_to_f(seg.s[g]), bf16_bits_to_f(seg.b[g]), mr + wi * kPerWord, dot);
-  }
-  dot = warp_sum(dot);
-  if (lane == 0) r.gamma[t] = 1.0f / (1.0f + expf(-dot));
+  load_logits(logits + size_t(t) * E, E, p);
+  route_warp<false>(p, E, k, norm_topk, r.ids + size_t(t) * k, r.wts + size_t(t) * k, k);
+  const float gamma = seg_gate_warp<SEG_BITS>(seg, m + size_t(t) * H, H);
+  if (lane == 0) r.gamma[t] = gamma;
 }
 
 // Switch route_block: one block per token. Warp 0 routes (route_warp with redux); all kRouteThreads threads share
@@ -307,7 +333,7 @@ __global__ void __launch_bounds__(kRouteThreads)
                            Route r) {
   pdl_trigger();
   constexpr int kPer = kMaxExperts / 32, kPerWord = 32 / SEG_BITS;
-  const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
+  const int t = blockIdx.x, tid = threadIdx.x;
   const int words = H / kPerWord;
   uint32_t wq[kSegPre];
   float ws[kSegPre], wb[kSegPre];
@@ -323,11 +349,9 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
   pdl_wait();
   if (tid < 32) {
-    const float* lr = logits + size_t(t) * E;
     float p[kPer];
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) p[i] = lane + 32 * i < E ? lr[lane + 32 * i] : -INFINITY;
-    route_warp<true>(p, E, k, norm_topk, r.ids + size_t(t) * k, r.wts + size_t(t) * k);
+    load_logits(logits + size_t(t) * E, E, p);
+    route_warp<true>(p, E, k, norm_topk, r.ids + size_t(t) * k, r.wts + size_t(t) * k, k);
   }
   const bf16* mr = m + size_t(t) * H;
   float dot = 0.0f;
@@ -485,7 +509,18 @@ __global__ void __launch_bounds__(kCombineThreads)
 // Loads are never predicated: a row past N or a chunk past the row's end reads a clamped, valid address. A chunk
 // past the end has x = 0 (so it adds exactly 0); a row past N is computed but not stored.
 
+// Switch route_fused: slot j's expert for token t, from the router logits: the warp runs route_warp's rounds up to
+// slot j, the same float operations as the routing kernels, so every warp of every block agrees with the ids block 0
+// writes (moe_gate_up_kernel).
+__device__ __forceinline__ int routed_expert(const DecodeArgs& a, int t, int j) {
+  float p[kMaxExperts / 32];
+  load_logits(a.logits + size_t(t) * a.E, a.E, p);
+  return route_warp<true>(p, a.E, a.k, false, nullptr, nullptr, j + 1);
+}
+
 // Block (slot j, tile) of token blockIdx.y; slot j < k is routed expert ids[t, j], slot k the shared expert.
+// Switch route_fused: a routed block finds ids[t, j] itself (routed_expert), and block 0 of token t (the shared
+// expert's first tile) writes the token's routing (ids, ŵ: warp 0) and γ (warp 1) for moe_down_kernel.
 // Lane (row rsub = lane / lpr, sub = lane % lpr) owns chunks c = sub + lpr·i of m (CODES values each, fp32 in
 // registers) and of every gate/up row it visits; warp w visits rows n_block + (w·kGuSteps + st)·rpw + rsub, all
 // kGuSteps rows' codes loaded before the first is used. h[t, j, n] = silu(gate_n·m) · (up_n·m).
@@ -499,7 +534,7 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
   pdl_trigger();
   if (n_block >= N) return;  // whole block; no barrier in this kernel
   if (!shared) pdl_wait();  // the routing comes from the previous kernel; the shared expert's codes need none
-  const size_t e = shared ? 0 : size_t(a.ids[t * a.k + j]);
+  const size_t e = shared ? 0 : size_t(a.logits ? routed_expert(a, t, j) : a.ids[t * a.k + j]);
   const QStack G = shared ? a.sgate : a.gate, U = shared ? a.sup : a.up;
   const int wpr = a.H * BITS / 32, gpr_g = a.H / G.group, gpr_u = a.H / U.group, chunks = a.H / CODES;
   const uint32_t* gw = G.w + e * N * wpr;
@@ -529,6 +564,17 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
     }
   }
   if (shared) pdl_wait();  // m comes from the previous kernel
+  if (a.logits && blockIdx.x == 0 && warp < 2) {  // the token's routing and γ, read by moe_down_kernel
+    if (warp == 0) {
+      float p[kMaxExperts / 32];
+      load_logits(a.logits + size_t(t) * a.E, a.E, p);
+      route_warp<true>(p, a.E, a.k, a.norm_topk, a.ids + t * a.k, a.wts + t * a.k, a.k);
+    } else {
+      const bf16* mt = a.m + size_t(t) * a.H;
+      const float gamma = a.seg_bits == 8 ? seg_gate_warp<8>(a.seg, mt, a.H) : seg_gate_warp<4>(a.seg, mt, a.H);
+      if (lane == 0) a.gamma[t] = gamma;
+    }
+  }
   uint4 xr[CPL][CODES / 8];
   const bf16* mr = a.m + size_t(t) * a.H;
 #pragma unroll
@@ -657,9 +703,15 @@ bool decode_fits(const MoeArgs& a, const MoeWeights& w) {
          chunks_fit(w.shared_down, db, 32);
 }
 
-void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Route& r, bf16* out,
-                float* resid) {
+// logits: the router's, for the routing in the gate+up kernel (switch route_fused), or null after a routing kernel.
+void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, const Route& r, const float* logits,
+                bf16* out, float* resid) {
   DecodeArgs d{};
+  d.logits = logits;
+  d.seg = stack_of(w.shared_expert_gate);
+  d.seg_bits = w.shared_expert_gate.bits;
+  d.E = a.E;
+  d.norm_topk = a.norm_topk_prob;
   d.resid = resid;
   d.gate = stack_of(w.gate), d.up = stack_of(w.up), d.down = stack_of(w.down);
   d.sgate = stack_of(w.shared_gate), d.sup = stack_of(w.shared_up), d.sdown = stack_of(w.shared_down);
@@ -772,6 +824,10 @@ void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf1
   }
 
   qmm(ctx, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
+  if (decode && ctx.opts.on(Opt::route_fused)) {  // the routing runs inside the gate+up kernel
+    moe_decode(ctx, a, w, m, r, logits, out, resid);
+    return;
+  }
   dispatch_bits(w.shared_expert_gate.bits, [&](auto bits) {
     constexpr int SB = decltype(bits)::value;
     if (ctx.opts.on(Opt::route_block))
@@ -784,7 +840,7 @@ void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf1
   check_launch("moe_route_kernel");
 
   if (decode)
-    moe_decode(ctx, a, w, m, r, out, resid);
+    moe_decode(ctx, a, w, m, r, nullptr, out, resid);
   else
     moe_prefill(ctx, a, w, m, r, sh, on_side, out, resid);
 }

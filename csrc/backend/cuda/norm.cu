@@ -15,8 +15,10 @@
 // Checks   H % 4 == 0 and H ≤ 32768; 16-byte aligned fp32 rows, 8-byte aligned bf16 rows; embed: K % group == 0,
 //          group % (32/bits) == 0, bits 4 or 8, any group. Token ids are validated on the host (backend).
 // Ref      cpu/norm.cpp, cpu/qmm.cpp (embed)
-// History  v1 (this), H200, H=2048, stream-timed with launch: rms_norm 4–5 µs (T=1), 15 µs (T=4096);
-//          add_rms_norm 4–5 µs (T=1), 28 µs (T=4096)
+// History  v1, H200, H=2048, stream-timed with launch: rms_norm 4–5 µs (T=1), 15 µs (T=4096);
+//          add_rms_norm 4–5 µs (T=1), 28 µs (T=4096). v2 (current, 2026-12-03): the norms' weights loaded before the
+//          PDL wait (up to 4 float4 a thread), as attention's prep does its q/k norm weights: one memory latency
+//          fewer after the wait; decode 532 → 560 tok/s at 4K on the H200 (benchmarks/NOTES.md v11).
 #include "backend/cuda/ops.cuh"
 
 namespace lily::cuda {
@@ -59,10 +61,19 @@ template <int VPT, bool ADD>
 __global__ void __launch_bounds__(1024) rms_norm_kernel(const float* x, const bf16* d, float* x_sum, const float* w,
                                                         int H4, float eps, bf16* out) {
   pdl_trigger();
-  pdl_wait();
   const size_t row = size_t(blockIdx.x) * H4;
   const float4* xr = reinterpret_cast<const float4*>(x) + row;
   const float4* wr = reinterpret_cast<const float4*>(w);
+  // The weights before the PDL wait (one memory latency fewer after it), up to 4 chunks a thread: 8 more would spill
+  // under the 1024-thread bound (rows past 4096 values load them at the end).
+  constexpr bool kEarlyW = VPT <= 4;
+  float4 wv[VPT];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (kEarlyW) wv[j] = i < H4 ? wr[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  pdl_wait();
   float4 v[VPT];
   float ss = 0.0f;
 #pragma unroll
@@ -87,9 +98,9 @@ __global__ void __launch_bounds__(1024) rms_norm_kernel(const float* x, const bf
   for (int j = 0; j < VPT; ++j) {
     const int i = threadIdx.x + j * blockDim.x;
     if (i < H4) {
-      const float4 wv = wr[i];
+      const float4 w4 = kEarlyW ? wv[j] : wr[i];
       store_bf16x4(out + (row + i) * 4,
-                   make_float4(v[j].x * r * wv.x, v[j].y * r * wv.y, v[j].z * r * wv.z, v[j].w * r * wv.w));
+                   make_float4(v[j].x * r * w4.x, v[j].y * r * w4.y, v[j].z * r * w4.z, v[j].w * r * w4.w));
     }
   }
 }
