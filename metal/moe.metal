@@ -20,7 +20,9 @@
 // Mapping  moe_route_s{4,8}: one simdgroup per token (4 per threadgroup); lane holds P of experts lane + 32·i;
 //          k rounds of simd_max / simd_min (value, then lowest id); the same simdgroup computes γ.
 //          Decode (T ≤ kQmvMaxT), two dispatches. moe_gate_up_q{4,8}: threadgroup = (slot j ∈ k routed + shared,
-//          tile of 16 rows) × token, 4 simdgroups × 4 rows; the expert id comes from ids in device memory; lane
+//          tile of 16 rows) × token, 4 simdgroups × 4 rows; the expert id comes from ids in device memory (switch
+//          route_fused: from the router logits, each routed simdgroup running the top-k up to its slot, and no
+//          moe_route dispatch: threadgroup 0 writes the routing and γ for moe_down; the CUDA switch's port); lane
 //          owns blocks of 8 values c = 8·lane + 256·i of m, held in registers while it dots them with the gate
 //          and up rows; simd_sum, then h = silu(g)·u. moe_down_q{4,8}: threadgroup = 16 output rows × token,
 //          4 simdgroups × 4 rows; a simdgroup computes its rows completely: for each slot in order (routed, then
@@ -97,6 +99,78 @@ inline float group_scale(device const ushort* s, uint n, int gpr, int c, int gro
 
 // ---- routing (both paths) -------------------------------------------------------------------------------------
 
+// Simdgroup-wide: P = softmax(lr[0, E)), then `rounds` rounds of the top-k (the largest remaining P, then the lowest
+// id holding it; the winner is marked -1). Lane j < rounds keeps round j's P and id in mine, mine_id; topsum is
+// Σ of the winners' P in descending P, as the reference sums it. Returns the last round's winner (every lane).
+inline uint route_simd(device const float* lr, int E, int rounds, uint lane, thread float& mine, thread uint& mine_id,
+                       thread float& topsum) {
+  constexpr int kPer = MOE_MAX_EXPERTS / 32;
+  float p[kPer];
+  float mx = -INFINITY;
+  for (int i = 0; i < kPer; ++i) {
+    const int e = int(lane) + 32 * i;
+    p[i] = e < E ? lr[e] : -INFINITY;
+    mx = max(mx, p[i]);
+  }
+  mx = simd_max(mx);
+  float sum = 0.0f;
+  for (int i = 0; i < kPer; ++i) {
+    p[i] = int(lane) + 32 * i < E ? exp(p[i] - mx) : 0.0f;  // exp(ℓ − max ℓ)
+    sum += p[i];
+  }
+  sum = simd_sum(sum);
+  for (int i = 0; i < kPer; ++i) p[i] = int(lane) + 32 * i < E ? p[i] / sum : -1.0f;  // P; -1: not a candidate
+  mine = 0.0f;
+  mine_id = 0;
+  topsum = 0.0f;
+  uint win = 0;
+  for (int j = 0; j < rounds; ++j) {
+    float v = -2.0f;
+    uint id = 0;
+    for (int i = 0; i < kPer; ++i)
+      if (p[i] > v) {  // ids ascend with i: strict > keeps the lower id of a tie
+        v = p[i];
+        id = lane + 32u * uint(i);
+      }
+    const float best = simd_max(v);
+    win = simd_min(v == best ? id : 0xffffffffu);
+    if (int(lane) == j) {
+      mine = best;
+      mine_id = win;
+    }
+    topsum += best;
+    for (int i = 0; i < kPer; ++i)
+      if (lane + 32u * uint(i) == win) p[i] = -1.0f;
+  }
+  return win;
+}
+
+// Simdgroup-wide: the token's k routed ids and weights ŵ (lane j < k writes slot j of ids, wts).
+inline void route_write(device const float* lr, int E, int k, bool norm_topk, uint lane, device int* ids,
+                        device float* wts) {
+  float mine, topsum;
+  uint mine_id;
+  route_simd(lr, E, k, lane, mine, mine_id, topsum);
+  if (int(lane) < k) {
+    ids[int(lane)] = int(mine_id);
+    wts[int(lane)] = norm_topk ? mine / topsum : mine;  // ŵ = P / Σ_topk P
+  }
+}
+
+// Simdgroup-wide: γ = σ(mr·w_seg); lane owns the blocks of 8 values c = 8·lane + 256·i.
+template <int SEG_BITS>
+inline float seg_gate(device const ushort* mr, int H, device const uint* seg_w, device const ushort* seg_s,
+                      device const ushort* seg_b, int seg_group, uint lane) {
+  float dot = 0.0f;
+  for (int c = 8 * int(lane); c < H; c += 256) {
+    float x[8];
+    const float xs = load_bf16x8(mr + c, x);
+    const int g = c / seg_group;
+    dot += qdot8<SEG_BITS>(seg_w, c, bf16_to_float(seg_s[g]), bf16_to_float(seg_b[g]), x, xs);
+  }
+  return sigmoid_f(simd_sum(dot));
+}
+
 // Simdgroup sg of threadgroup tg routes token t: P = softmax(logits[t]), the top-k (ties → lower id) with their
 // weights ŵ, and γ = σ(m[t]·w_seg).
 template <int SEG_BITS>
@@ -113,64 +187,11 @@ template <int SEG_BITS>
     uint tg [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int kPer = MOE_MAX_EXPERTS / 32;
   const int t = int(tg) * MOE_ROUTE_TOKENS + int(sg);
   if (t >= a.T) return;  // the whole simdgroup; no threadgroup barrier in this kernel
-  device const float* lr = logits + t * a.E;
-  float p[kPer];
-  float mx = -INFINITY;
-  for (int i = 0; i < kPer; ++i) {
-    const int e = int(lane) + 32 * i;
-    p[i] = e < a.E ? lr[e] : -INFINITY;
-    mx = max(mx, p[i]);
-  }
-  mx = simd_max(mx);
-  float sum = 0.0f;
-  for (int i = 0; i < kPer; ++i) {
-    p[i] = int(lane) + 32 * i < a.E ? exp(p[i] - mx) : 0.0f;  // exp(ℓ − max ℓ)
-    sum += p[i];
-  }
-  sum = simd_sum(sum);
-  for (int i = 0; i < kPer; ++i) p[i] = int(lane) + 32 * i < a.E ? p[i] / sum : -1.0f;  // P; -1: not a candidate
-
-  // k rounds: the largest remaining P, then the lowest id holding it; the winner is marked -1. Lane j keeps
-  // round j's winner. Σ_topk P is summed in descending P, as the reference does.
-  float mine = 0.0f, topsum = 0.0f;
-  uint mine_id = 0;
-  for (int j = 0; j < a.k; ++j) {
-    float v = -2.0f;
-    uint id = 0;
-    for (int i = 0; i < kPer; ++i)
-      if (p[i] > v) {  // ids ascend with i: strict > keeps the lower id of a tie
-        v = p[i];
-        id = lane + 32u * uint(i);
-      }
-    const float best = simd_max(v);
-    const uint win = simd_min(v == best ? id : 0xffffffffu);
-    if (int(lane) == j) {
-      mine = best;
-      mine_id = win;
-    }
-    topsum += best;
-    for (int i = 0; i < kPer; ++i)
-      if (lane + 32u * uint(i) == win) p[i] = -1.0f;
-  }
-  if (int(lane) < a.k) {
-    ids[t * a.k + int(lane)] = int(mine_id);
-    wts[t * a.k + int(lane)] = a.norm_topk ? mine / topsum : mine;  // ŵ = P / Σ_topk P
-  }
-
-  // γ = σ(m[t]·w_seg): lane owns the blocks of 8 values c = 8·lane + 256·i.
-  device const ushort* mr = m + t * a.H;
-  float dot = 0.0f;
-  for (int c = 8 * int(lane); c < a.H; c += 256) {
-    float x[8];
-    const float xs = load_bf16x8(mr + c, x);
-    const int g = c / a.seg_group;
-    dot += qdot8<SEG_BITS>(seg_w, c, bf16_to_float(seg_s[g]), bf16_to_float(seg_b[g]), x, xs);
-  }
-  dot = simd_sum(dot);
-  if (lane == 0) gamma[t] = sigmoid_f(dot);
+  route_write(logits + t * a.E, a.E, a.k, a.norm_topk != 0, lane, ids + t * a.k, wts + t * a.k);
+  const float g = seg_gate<SEG_BITS>(m + t * a.H, a.H, seg_w, seg_s, seg_b, a.seg_group, lane);
+  if (lane == 0) gamma[t] = g;
 }
 
 // ---- decode: T ≤ kQmvMaxT ---------------------------------------------------------------------------------------
@@ -178,11 +199,14 @@ template <int SEG_BITS>
 // Threadgroup (slot j, tile) of token tg.y; slot j < k is routed expert ids[t, j], slot k the shared expert.
 // Simdgroup sg computes rows n0 .. n0+3 of the slot's gate and up matrices: h[t, j, n] = silu(gate_n·m)·(up_n·m).
 // A row past N is read clamped and not stored.
+// Switch route_fused (a.route_fused): no moe_route dispatch before this one; a routed simdgroup finds ids[t, j] from
+// the router logits (route_simd up to round j: the same operations, so every simdgroup agrees), and threadgroup 0 of
+// token t writes the token's routing (simdgroup 0: ids, ŵ) and γ (simdgroup 1) for moe_down.
 template <int BITS>
 [[kernel]] void moe_gate_up(
     constant MoeDecodeArgs& a [[buffer(0)]],
     device const ushort* m [[buffer(1)]],
-    device const int* ids [[buffer(2)]],
+    device int* ids [[buffer(2)]],
     device const uint* gate_w [[buffer(3)]],
     device const ushort* gate_s [[buffer(4)]],
     device const ushort* gate_b [[buffer(5)]],
@@ -196,6 +220,12 @@ template <int BITS>
     device const ushort* sup_s [[buffer(13)]],
     device const ushort* sup_b [[buffer(14)]],
     device float* h [[buffer(15)]],
+    device const float* logits [[buffer(16)]],
+    device float* wts [[buffer(17)]],
+    device float* gamma [[buffer(18)]],
+    device const uint* seg_w [[buffer(19)]],
+    device const ushort* seg_s [[buffer(20)]],
+    device const ushort* seg_b [[buffer(21)]],
     uint3 tg [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -205,7 +235,24 @@ template <int BITS>
   const int N = shared ? a.IS : a.I;
   const int n0 = (tile * MOE_DECODE_SIMDGROUPS + int(sg)) * R;
   if (n0 >= N) return;  // the whole simdgroup; no threadgroup barrier in this kernel
-  const uint e = shared ? 0u : uint(ids[t * a.k + j]);
+  if (a.route_fused && tg.x == 0 && sg < 2) {  // the token's routing and γ, for moe_down
+    device const ushort* mt = m + t * a.H;
+    if (sg == 0)
+      route_write(logits + t * a.E, a.E, a.k, a.norm_topk != 0, lane, ids + t * a.k, wts + t * a.k);
+    else {
+      const float g = a.seg_bits == 8 ? seg_gate<8>(mt, a.H, seg_w, seg_s, seg_b, a.seg_group, lane)
+                                      : seg_gate<4>(mt, a.H, seg_w, seg_s, seg_b, a.seg_group, lane);
+      if (lane == 0) gamma[t] = g;
+    }
+  }
+  uint e = 0u;
+  if (!shared && a.route_fused) {
+    float mine, topsum;
+    uint mine_id;
+    e = route_simd(logits + t * a.E, a.E, j + 1, lane, mine, mine_id, topsum);
+  } else if (!shared) {
+    e = uint(ids[t * a.k + j]);
+  }
   device const uint* gw = shared ? sgate_w : gate_w;
   device const ushort* gs = shared ? sgate_s : gate_s;
   device const ushort* gb = shared ? sgate_b : gate_b;

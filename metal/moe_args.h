@@ -30,6 +30,8 @@ struct MoeDecodeArgs {
   int hs;          // row stride of h: max(I, IS)
   int tiles;       // gate_up: threadgroups per slot (of 16 rows each)
   int gate_group, up_group, sgate_group, sup_group, down_group, sdown_group;
+  int route_fused;  // switch route_fused: moe_gate_up routes from the logits (and writes ids, ŵ, γ for moe_down)
+  int E, norm_topk, seg_bits, seg_group;  // the routing's, when route_fused
 };
 
 // moe_hist, moe_scan, moe_scatter (and moe_sort_scan): the expert-sorted order of the P = T·k (token, slot) pairs.

@@ -39,7 +39,7 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::moe_tiles_16, "moe_tiles_16", "cuda",
        "Hopper expert GEMMs of at most 16 tokens (a short prompt tail) in a kernel with only the 16-row tile, two "
        "blocks per SM, instead of the kernel with every tile size at one block per SM"},
-      {Opt::route_fused, "route_fused", "cuda",
+      {Opt::route_fused, "route_fused", "cuda,metal",
        "decode MoE: the top-k routing done by the expert gate+up kernel itself from the router logits (each warp "
        "the rounds up to its slot; one block writes the routing and the shared gate for the down kernel), instead "
        "of a routing kernel between the router and the experts"},

@@ -44,9 +44,9 @@ enum class Opt : int {
                      //   as a kernel with the 16-row tile alone, two blocks per SM, instead of the one with all four
                      //   tiles at one block per SM. Metal's grouped GEMM is one instance per tile height already
                      //   (metal/qmm.metal)
-  route_fused,       // CUDA: decode MoE routing inside the gate+up kernel (each routed warp runs the top-k up to its
-                     //   slot from the router logits; one block writes the routing and γ for the down kernel) instead
-                     //   of a routing kernel between the router and the experts. Metal: not ported (NOTES.md, Metal)
+  route_fused,       // CUDA, Metal: decode MoE routing inside the gate+up kernel (each routed warp / simdgroup runs the
+                     //   top-k up to its slot from the router logits; one block writes the routing and γ for the down
+                     //   kernel) instead of a routing kernel between the router and the experts
   kCount
 };
 

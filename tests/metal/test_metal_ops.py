@@ -26,12 +26,13 @@ KERNELS_ON: dict[str, set[str]] = {}  # case id: the kernels its run with every 
 
 
 def _switched(case) -> bool:
-    """Whether a Metal switch changes this case's path: the chunked GDN prefill (gdn_chunked, T ≥ 16, policy.h) and the
-    one-threadgroup MoE sort of the prefill path (moe_sort_scan, T > kQmvMaxT = 8). test_op_matches_cpu_switches_off
-    fails if a case listed here dispatches the same kernels in both positions."""
+    """Whether a Metal switch changes this case's path: the chunked GDN prefill (gdn_chunked, T ≥ 16, policy.h), and
+    every MoE case: the one-threadgroup sort of the prefill path (moe_sort_scan) or, where the decode kernels take
+    the case (T ≤ kQmvMaxT = 8), the routing inside moe_gate_up (route_fused). test_op_matches_cpu_switches_off fails
+    if a case listed here dispatches the same kernels in both positions."""
     if case.op == "gdn_scan":
         return case.dims["T"] >= 16
-    return case.op in ("moe", "moe_residual") and case.dims["T"] > 8
+    return case.op in ("moe", "moe_residual")
 
 
 OFF_CASES = [c for c in CASES if _switched(c)]

@@ -1,5 +1,6 @@
 // moe.cpp: the launcher of the MoE block (metal/moe.metal gives the math, mapping and costs; its GEMMs are qmm and
-// moe_gemm of qmm.cpp). Router logits by qmm, then moe_route; T ≤ kQmvMaxT runs the two fused decode kernels,
+// moe_gemm of qmm.cpp). Router logits by qmm, then moe_route; T ≤ kQmvMaxT runs the two fused decode kernels (with
+// the switch route_fused the routing is moe_gate_up's own, and there is no moe_route dispatch),
 // larger T the prefill path: GPU-resident sort (moe_sort_scan with the switch moe_sort_scan, else moe_hist, moe_scan,
 // moe_scatter), moe_gemm gate+up and down, the shared expert by qmm, and moe_combine. Scratch layouts and the checks
 // the CUDA launcher shares come from backend/scratch.h and backend/checks.h. Nothing waits for the device.
@@ -41,9 +42,13 @@ bool decode_fits(const MoeArgs& a, const MoeWeights& w) {
          w.shared_down.bits == db;
 }
 
+// logits: the router's, for the routing inside moe_gate_up (switch route_fused), or null after moe_route.
 void moe_decode(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint16_t* m, const Route& r,
-                uint16_t* out) {
+                const float* logits, uint16_t* out) {
   MoeDecodeArgs d{};
+  d.route_fused = logits ? 1 : 0;
+  d.E = a.E, d.norm_topk = a.norm_topk_prob ? 1 : 0;
+  d.seg_bits = w.shared_expert_gate.bits, d.seg_group = w.shared_expert_gate.group;
   d.T = a.T, d.H = a.H, d.k = a.top_k, d.I = a.I, d.IS = a.IS, d.hs = std::max(a.I, a.IS);
   d.tiles = int(cdiv(d.hs, kDecodeRowsPerGroup));
   d.gate_group = w.gate.group, d.up_group = w.up.group, d.sgate_group = w.shared_gate.group;
@@ -60,6 +65,10 @@ void moe_decode(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint1
   bind_matrix(enc, 9, w.shared_gate);     // sgate_w, sgate_s, sgate_b
   bind_matrix(enc, 12, w.shared_up);      // sup_w, sup_s, sup_b
   enc.set_buffer(15, h);                  // h
+  enc.set_buffer(16, logits ? logits : r.wts);  // logits (read only under route_fused; every buffer bound)
+  enc.set_buffer(17, r.wts);              // wts
+  enc.set_buffer(18, r.gamma);            // gamma
+  bind_matrix(enc, 19, w.shared_expert_gate);  // seg_w, seg_s, seg_b
   enc.dispatch({uint32_t((a.top_k + 1) * d.tiles), uint32_t(a.T), 1}, threads);
 
   enc.kernel(by_bits(w.down.bits, "moe_down_q4", "moe_down_q8"));
@@ -181,6 +190,11 @@ void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWei
   const Route r = moe_route_at(enc.scratch(kSlotMoeRoute, rp.bytes), rp);
 
   qmm(enc, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
+  const bool decode = decode_fits(a, w);
+  if (decode && opts.on(Opt::route_fused)) {  // the routing runs inside moe_gate_up
+    moe_decode(enc, a, w, m, r, logits, out);
+    return;
+  }
   const MoeRouteArgs ra{a.T, a.E, a.top_k, a.H, w.shared_expert_gate.group, a.norm_topk_prob ? 1 : 0};
   enc.kernel(by_bits(w.shared_expert_gate.bits, "moe_route_s4", "moe_route_s8"));
   enc.set_args(ra);
@@ -192,8 +206,8 @@ void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWei
   enc.set_buffer(8, r.gamma);                    // gamma
   enc.dispatch({cdiv(a.T, MOE_ROUTE_TOKENS), 1, 1}, {MOE_ROUTE_TOKENS * 32, 1, 1});
 
-  if (decode_fits(a, w))
-    moe_decode(enc, a, w, m, r, out);
+  if (decode)
+    moe_decode(enc, a, w, m, r, nullptr, out);
   else
     moe_prefill(enc, opts, a, w, m, r, out);
 }
