@@ -5,9 +5,10 @@
 # starlette, uvicorn and openai, carried as wheels), serve (a new conversation's TTFT through the server against the
 # library at 4K and 32K: benchmarks/bench_serve.py, the same wheels), profile (per-kernel times of a prefill chunk
 # and a decode step under ncu), stalls (ncu's warp-state and memory sections for the Hopper GEMMs), dstalls (the same
-# for the decode step's GEMV and MoE kernels), sanitize (memcheck + racecheck). PROFILE_ARGS go to profile_step.py
-# in profile and stalls (e.g. --prefix 28672: the 4096-token chunk that sees 28K earlier tokens).
-# Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|agent|serve|profile|stalls|dstalls|sanitize]...
+# for the decode step's GEMV and MoE kernels), trace (each kernel's share of the replayed decode step's critical path:
+# benchmarks/probes/step_trace.py, on a build made with TRACE=1), sanitize (memcheck + racecheck). PROFILE_ARGS go
+# to profile_step.py in profile and stalls (e.g. --prefix 28672: the 4096-token chunk that sees 28K earlier tokens).
+# Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|agent|serve|profile|stalls|dstalls|trace|sanitize]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lily-out}
@@ -21,7 +22,8 @@ if ls .whl/lily-*-cp312-*.whl >/dev/null 2>&1; then
     || { tail -30 "$OUT/build.log"; exit 1; }
   export PYTHONPATH=/tmp/site
 else
-  python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+  python3 -m pip install --no-build-isolation --no-deps -q ${TRACE:+-C cmake.define.LILY_STEP_TRACE=ON} . \
+    > "$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
   if ls .whl/*.whl >/dev/null 2>&1; then  # the server's dependencies (agent, serve), carried as wheels
     python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl >> "$OUT/build.log" 2>&1 \
       || { tail -30 "$OUT/build.log"; exit 1; }
@@ -67,6 +69,11 @@ for step in $steps; do
               --section Occupancy python3 benchmarks/profile_step.py --what decode \
               > "$OUT/dstalls.txt" 2> "$OUT/dstalls.err"
             grep -E "Stall|Issue|Eligible|Throughput|Bandwidth|qmv|moe_" "$OUT/dstalls.txt" | head -80 ;;
+    trace) # the replayed decode step's critical path kernel by kernel: needs a LILY_STEP_TRACE build (TRACE=1)
+           for L in ${TRACE_LENGTHS:-4096 32768}; do
+             timeout 150 python3 benchmarks/probes/step_trace.py --context $L --out "$OUT/trace_$L.json" \
+               | tee "$OUT/trace_$L.txt" | head -20
+           done ;;
     sanitize) for tool in memcheck racecheck; do
         LILY_OP_TAGS=edge timeout 250 compute-sanitizer --tool $tool --error-exitcode 1 \
           python3 -m pytest tests/ops -q -x -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/sanitize-$tool.log"; done ;;

@@ -24,6 +24,11 @@ namespace nb = nanobind;
 using namespace nb::literals;
 using namespace lily;
 
+#ifdef LILY_STEP_TRACE
+#include <nanobind/stl/vector.h>
+
+#include "backend/cuda/step_trace.h"
+#endif
 #ifdef LILY_HAS_METAL_EMU
 namespace lily {
 std::map<std::string, uint64_t> metal_emu_dispatches();  // tests/metal/harness/emu_device.cpp
@@ -293,6 +298,16 @@ void init_testing(nb::module_& m) {
 #ifdef LILY_HAS_METAL_EMU
   t.def("metal_kernels", &metal_emu_dispatches,
         "Every kernel of metal/*.metal in this harness build, with the number of times it has been dispatched.");
+#endif
+#ifdef LILY_STEP_TRACE
+  t.def("step_trace_start", &step_trace_start, "capacity"_a = size_t(1) << 20,
+        "Starts the decode-step probe (a LILY_STEP_TRACE build): every kernel's block 0 records when it passes its "
+        "PDL wait, and the kernels of graphs captured meanwhile are named.");
+  t.def("step_trace_stop", [] {
+        StepTrace r = step_trace_stop();
+        return nb::make_tuple(r.names, r.grids, r.times);
+      },
+      "Stops the probe: (kernel names of the captured graphs in launch order, launch ids, times in ns).");
 #endif
   t.def("time_op",
         [](const std::string& backend_name, const std::string& op, const nb::dict& params, const nb::dict& inputs,

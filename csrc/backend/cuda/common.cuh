@@ -63,7 +63,33 @@ void join_side(const Ctx& ctx);
 // launch without PDL), and it writes nothing. pdl_wait() returns once the predecessor grid has
 // completed and its writes are visible; without PDL both calls are no-ops. pdl_trigger() lets the successor launch
 // (once every block of this grid has called it or exited); kernels call it as early as possible.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+#ifdef LILY_STEP_TRACE
+// The decode-step probe (step_trace.h): this file's copy of the record buffer, registered with the host side.
+void step_trace_register(void (*set)(unsigned long long*));
+bool step_trace_on();
+void step_trace_launch(const void* kernel);
+namespace {
+__device__ unsigned long long* g_step_trace = nullptr;
+void set_step_trace(unsigned long long* p) { LILY_CUDA_CHECK(cudaMemcpyToSymbol(g_step_trace, &p, sizeof(p))); }
+[[maybe_unused]] const bool step_trace_registered = (step_trace_register(&set_step_trace), true);
+}  // namespace
+__device__ __forceinline__ void step_trace_mark() {
+  if (threadIdx.x || blockIdx.x || blockIdx.y || blockIdx.z) return;
+  unsigned long long* tr = g_step_trace;
+  if (!tr) return;
+  unsigned long long grid, t;
+  asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  const unsigned long long i = atomicAdd(tr, 1ull);
+  if (i < tr[1]) tr[2 + 2 * i] = grid, tr[3 + 2 * i] = t;
+}
+#endif
+__device__ __forceinline__ void pdl_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#ifdef LILY_STEP_TRACE
+  step_trace_mark();
+#endif
+}
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // Launches kernel<<<grid, block, smem, ctx.stream>>>(args…), with the PDL attribute when the switch is on.
@@ -79,6 +105,9 @@ void launch(const Ctx& ctx, void (*kernel)(Params...), dim3 grid, dim3 block, si
   cfg.stream = ctx.stream;
   cfg.attrs = attr;
   cfg.numAttrs = ctx.pdl ? 1 : 0;
+#ifdef LILY_STEP_TRACE
+  if (ctx.capturing && step_trace_on()) step_trace_launch(reinterpret_cast<const void*>(kernel));
+#endif
   LILY_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 

@@ -1,0 +1,102 @@
+"""Where the replayed decode step's time goes, kernel by kernel, with the overlap the graph and PDL allow. Needs a
+build with the probe compiled in (CMake option LILY_STEP_TRACE, never shipped):
+
+    pip install --no-build-isolation --no-deps -C cmake.define.LILY_STEP_TRACE=ON .
+    python benchmarks/probes/step_trace.py [--context 4096] [--steps 64] [--out trace.json]
+
+Every kernel's block 0 records when it passes its PDL wait (csrc/backend/cuda/step_trace.h): the moment its
+predecessor's results became visible to it. The time from one kernel's record to the next one's is the first
+kernel's share of the step's critical path (what the step would lose if it took no time), the sum over a step is the
+step. ncu times graph nodes one at a time without that overlap (`profile_step.py`: an upper bound); nsys does not run
+on the lent machines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+from collections import defaultdict
+
+import numpy as np
+
+
+def demangle(names: list[str]) -> list[str]:
+    if shutil.which("c++filt"):
+        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout.split("\n")
+        names = out[: len(names)]
+    # void lily::cuda::(anonymous namespace)::moe_gate_up_kernel<4>(…) → moe_gate_up_kernel<4>
+    names = [re.sub(r"\(.*$", "", n.replace("(anonymous namespace)::", "")) for n in names]
+    return [re.sub(r"^(\w+::)+", "", n.removeprefix("void ")) for n in names]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=64, help="replayed steps recorded")
+    ap.add_argument("--disable", default="", help="switches off (comma-separated)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    import lily
+    from lily import _core
+    from lily.bench import FULL_TEXT_CONFIG
+    from lily.tiny import build_random
+
+    if not hasattr(_core.testing, "step_trace_start"):
+        raise SystemExit("this build has no step trace: build with -C cmake.define.LILY_STEP_TRACE=ON")
+    off = [n for n in args.disable.split(",") if n]
+    model = lily.Model(build_random(FULL_TEXT_CONFIG, seed=0), "cuda", off)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, model.n_valid, args.context).astype(np.int32)
+    s = model.core.session(max_context=args.context + args.steps + 64)
+    g = _core.Generator(s, lily.SamplingParams(temperature=0.0).to_core(), [], args.steps + 16, model.n_valid)
+    g.prefill(prompt)
+    _core.testing.step_trace_start()
+    for _ in range(args.steps + 4):  # an eager step, the captured one, then replays
+        g.next()
+    names, grids, times = _core.testing.step_trace_stop()
+
+    # One time per launch, its block 0's first wait. A graph's node keeps its %gridid from replay to replay, so a
+    # launch is a run of records of one id in time order (the next kernel cannot pass its wait before this one ends).
+    order = []
+    for t, gid in sorted(zip(times, grids)):
+        if not order or order[-1][0] != gid:
+            order.append((gid, t))
+    K = len(names)
+    R = min(args.steps, len(order) // K - 1)
+    if K == 0 or R < 1:
+        raise SystemExit(f"{len(order)} records for {K} kernels per step: nothing to read")
+    t = np.array([v for _, v in order[-(R + 1) * K:]], dtype=np.float64).reshape(R + 1, K)
+    step_ns = t[1:, 0] - t[:-1, 0]                  # first kernel to the next step's first kernel
+    delta = np.empty((R, K))
+    delta[:, :-1] = t[:-1, 1:] - t[:-1, :-1]        # kernel i's share: its record to kernel i+1's
+    delta[:, -1] = t[1:, 0] - t[:-1, -1]             # the last kernel's share runs into the next step
+    per = np.median(delta, axis=0) / 1e3             # µs per position in the step
+    short = demangle(names)
+
+    by = defaultdict(lambda: [0, 0.0])
+    for n, us in zip(short, per):
+        by[n][0] += 1
+        by[n][1] += us
+    step_us = float(np.median(step_ns)) / 1e3
+    print(f"context {args.context}: {K} kernels per step, step {step_us:.1f} µs (median of {R}; "
+          f"{1e6 / step_us:.1f} tok/s), sum of medians {per.sum():.1f} µs")
+    print(f"{'kernel':<48} {'calls':>5} {'µs/call':>8} {'µs/step':>8} {'share':>6}")
+    for n, (c, us) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        print(f"{n[:48]:<48} {c:>5} {us / c:>8.2f} {us:>8.1f} {100 * us / per.sum():>5.1f}%")
+    print("\nthe first kernels of the step, in order (µs each):")
+    for i in range(min(K, 40)):
+        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f}")
+    print("the last kernels:")
+    for i in range(max(0, K - 8), K):
+        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"context": args.context, "steps": R, "step_us": step_us, "disable": off,
+                       "kernels": [{"name": n, "us": round(float(u), 3)} for n, u in zip(short, per)]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
