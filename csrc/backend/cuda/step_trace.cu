@@ -1,6 +1,7 @@
 // step_trace.cu: the host side of the decode-step probe (step_trace.h). Every CUDA file has its own copy of the
 // device pointer the records go to (no relocatable device code), registered here by a static object (common.cuh).
 #ifdef LILY_STEP_TRACE
+#include <algorithm>
 #include <mutex>
 
 #include "backend/cuda/step_trace.h"
@@ -61,15 +62,16 @@ StepTrace step_trace_stop() {
   for (auto set : s.setters) set(nullptr);
   unsigned long long n = 0;
   LILY_CUDA_CHECK(cudaMemcpy(&n, s.buf, sizeof(n), cudaMemcpyDeviceToHost));
+  const size_t kept = std::min<size_t>(n, s.capacity);
+  std::vector<unsigned long long> rec(2 * kept);
+  if (kept) LILY_CUDA_CHECK(cudaMemcpy(rec.data(), s.buf + 2, rec.size() * sizeof(unsigned long long),
+                                       cudaMemcpyDeviceToHost));
+  LILY_CUDA_CHECK(cudaFree(s.buf));
+  s.buf = nullptr;  // stopped, whatever follows
   LILY_CHECK(n <= s.capacity, "step trace: ", n, " records for a capacity of ", s.capacity,
              " (start it with a larger capacity)");
-  std::vector<unsigned long long> rec(2 * n);
-  if (n) LILY_CUDA_CHECK(cudaMemcpy(rec.data(), s.buf + 2, rec.size() * sizeof(unsigned long long),
-                                    cudaMemcpyDeviceToHost));
-  LILY_CUDA_CHECK(cudaFree(s.buf));
-  s.buf = nullptr;
   StepTrace t;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < kept; ++i) {
     t.grids.push_back(rec[2 * i]);
     t.times.push_back(rec[2 * i + 1]);
   }

@@ -17,7 +17,7 @@ struct StepTrace {
   std::vector<uint64_t> times;     // ... and when its block 0 passed the PDL wait (ns, %globaltimer)
 };
 
-// Starts recording (up to `capacity` records; later ones are dropped and counted).
+// Starts recording (up to `capacity` records: stopping after more is an error that says so).
 void step_trace_start(size_t capacity);
 // Stops recording and returns what was recorded since step_trace_start.
 StepTrace step_trace_stop();
