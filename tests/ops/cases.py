@@ -321,6 +321,10 @@ CASES = [
     Case("gdn_conv", dict(T=70, NK=1, NV=1, DK=32, DV=36), tags=("edge",)),
     *[Case("gdn_conv", dict(T=40, NK=2, NV=4, DK=32, DV=32, conv_kernel=k), tags=("edge",)) for k in (2, 9)],
     Case("gdn_scan", dict(T=1, **_gdn_real), tags=("model",)),
+    # one token (the decode step) at odd head counts and widths, a partial block of 32 state rows (DV 48)
+    *[Case("gdn_scan", dict(T=1, **d), tags=("edge",)) for d in (dict(NK=4, NV=8, DK=32, DV=64),
+                                                                   dict(NK=2, NV=4, DK=64, DV=96),
+                                                                   dict(NK=1, NV=2, DK=32, DV=48))],
     Case("gdn_scan", dict(T=64, **_gdn_real), tags=("model",)),
     Case("gdn_scan", dict(T=9, NK=4, NV=8, DK=32, DV=64), tags=("edge",)),
     Case("gdn_scan", dict(T=5, NK=2, NV=2, DK=64, DV=32), tags=("edge",)),

@@ -54,6 +54,10 @@
 //          its PDL wait, gate+up triggering its successor only after its own wait (so that the router had finished):
 //          decode 560 → 509 tok/s at 4K, the down kernel launched too late; gate+up blocks prefetching their
 //          expert's down rows into L2 (cp.async.bulk.prefetch.L2): −0.7 %.
+//          Tried and removed (2026-12-03, benchmarks/NOTES.md v13): the down kernel's routed warps loading their codes
+//          before the PDL wait once a counter released by the routing warp says the ids are out (+0.7 %); gate+up and
+//          down as one kernel, down tiles handed out by a counter after the gate+up tiles (37.0 µs standalone against
+//          25.1 µs for the two kernels, decode −19.7 %).
 #include <algorithm>
 
 #include "backend/checks.h"
