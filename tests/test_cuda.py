@@ -1,10 +1,13 @@
 """End to end on the CUDA backend against the CPU reference: the tiny model and a mid-size random model in the
 real layer pattern (teacher-forced perplexity and top-1 agreement), chunked prefill and decode, and generation.
 Skips cleanly where the CUDA backend is not compiled in or no GPU is present."""
+import secrets
+
 import numpy as np
 import pytest
 
 import lily
+from device_sampling import CONFIGS, VOCAB, check_device_selection
 from lily import _core
 from lily.tiny import TINY_TEXT_CONFIG, build_tiny
 
@@ -45,6 +48,27 @@ def mid_plain(mid_ckpt):
     return lily.Model(mid_ckpt, "cuda", disable=ALL_OFF)
 
 
+def _assert_close(got: np.ndarray, want: np.ndarray) -> None:
+    """GPU logits [T, V] against the reference's: relative error under 5 %, and the top-1 token flipped only between
+    near-tied candidates: the reference logit of the token the GPU picks within half of the row's standard deviation
+    of the reference's best. bf16 moves a logit by ~2 % of its row's norm on average, but up to 12 % on some of the
+    tiny model's decode rows (with every optimisation on or off alike), so near ties flip; a wrong token lies
+    standard deviations below the best."""
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < 0.05, rel
+    rows = np.arange(len(want))
+    gap = want[rows, want.argmax(-1)] - want[rows, got.argmax(-1)]
+    assert np.all(gap <= 0.5 * want.std(-1)), (gap / want.std(-1)).max()
+
+
+def _assert_greedy(logits: np.ndarray, tokens: list[int]) -> None:
+    """Greedy tokens from the decode step against the same model's teacher-forced logits [T, V] (the prefill
+    kernels): each the best, or within half a row standard deviation of it (a bf16 near tie, as in _assert_close)."""
+    rows = np.arange(len(tokens))
+    gap = logits.max(-1) - logits[rows, tokens]
+    assert np.all(gap <= 0.5 * logits.std(-1)), (gap / logits.std(-1)).max()
+
+
 def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     z = logits - logits.max(-1, keepdims=True)
     return np.log(np.exp(z).sum(-1)) - z[np.arange(len(targets)), targets]
@@ -57,7 +81,7 @@ def test_tiny_logits_close_to_cpu(tiny_pair):
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     agree = (got.argmax(-1) == ref.argmax(-1)).mean()
     print(f"tiny: relative logit error {rel:.2e}, top-1 agreement {agree:.3f}")
-    assert rel < 0.05 and agree >= 0.9
+    _assert_close(got, ref)
 
 
 @pytest.mark.parametrize("switches", ["on", "off"])
@@ -89,22 +113,30 @@ def test_chunked_prefill_and_decode_match_cpu(tiny_pair, chunk):
     want = cpu.logits(tokens)[59:80]
     s = gpu.core.session(max_context=256, prefill_chunk=chunk)
     got = np.stack([s.prefill(tokens[:60])] + [s.prefill(tokens[i:i + 1]) for i in range(60, 80)])
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    agree = (got.argmax(-1) == want.argmax(-1)).mean()
-    assert rel < 0.05 and agree >= 0.9, (rel, agree)
+    _assert_close(got, want)
 
 
 def test_device_sampler_matches_host_rules(tiny_pair):
-    """Generation on the GPU selects tokens on the device: greedy equals the argmax of the teacher-forced logits,
-    and the device path is the one taken."""
+    """Generation on the GPU selects tokens on the device: greedy picks the best of the teacher-forced logits (up to
+    near ties between the decode and the prefill kernels), and the device path is the one taken."""
     _, gpu = tiny_pair
     prompt = np.random.default_rng().integers(0, gpu.n_valid, 12).tolist()
     out = [r.token for r in lily.stream_generate(gpu, prompt, max_tokens=16, temperature=0.0)]
-    logits = gpu.logits(prompt + out)[len(prompt) - 1:-1, :gpu.n_valid]
-    assert (logits.argmax(-1) == np.array(out)).mean() >= 0.9
+    _assert_greedy(gpu.logits(prompt + out)[len(prompt) - 1:-1, :gpu.n_valid], out)
     s = gpu.core.session(max_context=64)
     g = lily._core.Generator(s, lily.SamplingParams(temperature=0.0).to_core(), [], 4, gpu.n_valid)
     assert g.on_device
+
+
+@pytest.fixture(scope="module")
+def sampling_model():
+    """The tiny model with a VOCAB-row lm_head on the CUDA backend."""
+    return lily.Model(build_tiny(text_config={**TINY_TEXT_CONFIG, "vocab_size": VOCAB}), "cuda").core
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_device_selection_matches_host_sampler(sampling_model, name):
+    check_device_selection(_core, sampling_model, name, secrets.randbits(64))
 
 
 def test_generation_runs_and_stops(tiny_pair):
@@ -150,9 +182,7 @@ def test_save_at_on_gpu(mid_pair, at):
         assert np.linalg.norm(last - wanted) / np.linalg.norm(wanted) < 0.05
     s.restore(saved)
     got = s.forward_all(tokens[at:])
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    agree = (got.argmax(-1) == want.argmax(-1)).mean()
-    assert rel < 0.05 and agree >= 0.9, (rel, agree)
+    _assert_close(got, want)
 
 
 @pytest.mark.parametrize("switches", ["on", "off"])
@@ -165,9 +195,7 @@ def test_prompt_lengths_match_cpu(mid_pair, mid_plain, n, switches):
     want = cpu.logits(tokens)[n - 1:]
     s = gpu.core.session(max_context=n + 8)
     got = np.stack([s.prefill(tokens[:n])] + [s.prefill(tokens[i:i + 1]) for i in range(n, n + 4)])
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    agree = (got.argmax(-1) == want.argmax(-1)).mean()
-    assert rel < 0.05 and agree >= 0.8, (rel, agree)
+    _assert_close(got, want)
 
 
 @pytest.mark.parametrize("switches", ["on", "off"])
@@ -177,14 +205,12 @@ def test_prefill_chunk_ends_inside_a_gdn_chunk(mid_pair, mid_plain, switches):
     tokens = np.random.default_rng().integers(0, cpu.n_valid, 300).astype(np.int32)
     want = cpu.logits(tokens)
     got = gpu.core.session(max_context=300, prefill_chunk=100).forward_all(tokens)
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    agree = (got.argmax(-1) == want.argmax(-1)).mean()
-    assert rel < 0.05 and agree >= 0.9, (rel, agree)
+    _assert_close(got, want)
 
 
 def test_generation_with_every_switch_off(mid_plain):
-    """The plain path generates on the device too, and its greedy tokens are the argmax of its own logits."""
+    """The plain path generates on the device too, and its greedy tokens are the best of its own teacher-forced logits
+    (up to near ties)."""
     prompt = np.random.default_rng().integers(0, mid_plain.n_valid, 12).tolist()
     out = [r.token for r in lily.stream_generate(mid_plain, prompt, max_tokens=16, temperature=0.0)]
-    logits = mid_plain.logits(prompt + out)[len(prompt) - 1:-1, :mid_plain.n_valid]
-    assert (logits.argmax(-1) == np.array(out)).mean() >= 0.9
+    _assert_greedy(mid_plain.logits(prompt + out)[len(prompt) - 1:-1, :mid_plain.n_valid], out)

@@ -134,6 +134,16 @@ class Backend {
   virtual void qmm_multi(const QMatrix* W, int n, const void* x, int T, void* const* y) {
     for (int i = 0; i < n; ++i) qmm(W[i], x, T, y[i], false);
   }
+  // a = rms_norm(x)·w (x fp32 [T, K], w fp32 [K]), then y[i] = a · W[i]ᵀ for n ≥ 1 matrices of one K; y_f32 (fp32
+  // out) only with n = 1. a [T, K] activations is scratch: a backend that normalises x inside the GEMV need not write it.
+  virtual void rms_norm_qmm(const float* x, const float* w, float eps, const QMatrix* W, int n, int T, void* a,
+                            void* const* y, bool y_f32) {
+    rms_norm(x, w, T, W[0].K, eps, a);
+    if (n == 1)
+      qmm(W[0], a, T, y[0], y_f32);
+    else
+      qmm_multi(W, n, a, T, y);
+  }
 
   // Full attention (§4). qg [T, NH, 2·HD] (query then gate per head), k/v [T, NKV·HD]; q_norm/k_norm fp32 [HD].
   // Normalises and rotates q and k, appends k and v at rows pos0.. of the caches [cap, NKV, HD], runs causal
@@ -149,8 +159,18 @@ class Backend {
   // and the delta-rule recurrence on state fp32 [NV, DV, DK]. c [T, 2·NK·DK + NV·DV]; b, alpha [T, NV]; y [T, NV, DV].
   virtual void gdn_scan(const GdnArgs& a, const void* c, const void* b, const void* alpha, const float* A_log,
                         const float* dt_bias, float* state, void* y) = 0;
-  // gdn_norm: out = rms_norm(y per head; w) · silu(z). y, z, out [T, NV·DV]; w fp32 [DV].
+  // gdn_norm: out = rms_norm(y per head; w) · silu(z). y, z, out [T, NV·DV] (out may be y: in place); w fp32 [DV].
   virtual void gdn_norm(const GdnArgs& a, const void* y, const void* z, const float* w, void* out) = 0;
+  // A Gated DeltaNet layer's conv, scan and gated norm: gdn_conv into conv_out [T, C] (scratch), gdn_scan into out
+  // [T, NV·DV], gdn_norm in place. A backend that fuses them for a decode token need not write conv_out. out must not
+  // alias x: a fused kernel reads x while other blocks write out.
+  virtual void gdn_conv_scan_norm(const GdnArgs& a, const void* x, const float* conv_w, void* conv_state,
+                                  void* conv_out, const void* b, const void* alpha, const float* A_log,
+                                  const float* dt_bias, float* state, const void* z, const float* w, void* out) {
+    gdn_conv(a, x, conv_w, conv_state, conv_out);
+    gdn_scan(a, conv_out, b, alpha, A_log, dt_bias, state, out);
+    gdn_norm(a, out, z, w, out);
+  }
 
   // Sparse MoE block (§6): router softmax, top-k, renormalise, SwiGLU experts, shared expert with its sigmoid
   // gate. m, out [T, H].

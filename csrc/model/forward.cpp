@@ -295,7 +295,7 @@ void Session::mixer_attention(const LayerWeights& L, int T, void* k_cache, void*
              float(c.rope_theta), float(c.rms_norm_eps), device_pos ? pos_dev_ : nullptr};
   const QMatrix proj[3] = {L.q_proj, L.k_proj, L.v_proj};
   void* const out[3] = {qg_x_, k_z_, v_b_};  // qg [T, NH, 2·HD], k [T, NKV·HD], v [T, NKV·HD]
-  be_.qmm_multi(proj, 3, a_, T, out);
+  be_.rms_norm_qmm(x_, L.input_norm, float(c.rms_norm_eps), proj, 3, T, a_, out, false);  // a = pre-norm(x)
   be_.attention(a, qg_x_, k_z_, v_b_, L.q_norm, L.k_norm, k_cache, v_cache, attn_alpha_);  // [T, NH·HD], gated
   be_.qmm(L.o_proj, attn_alpha_, T, d_, false);
 }
@@ -307,10 +307,11 @@ void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* r
             c.linear_conv_kernel_dim, float(c.rms_norm_eps)};
   const QMatrix proj[4] = {L.in_proj_qkv, L.in_proj_z, L.in_proj_b, L.in_proj_a};
   void* const out[4] = {qg_x_, k_z_, v_b_, attn_alpha_};  // X [T, conv_dim], z [T, NV·DV], b [T, NV], α [T, NV]
-  be_.qmm_multi(proj, 4, a_, T, out);
+  be_.rms_norm_qmm(x_, L.input_norm, a.eps, proj, 4, T, a_, out, false);  // a = pre-norm(x)
   if (!cut) {
-    be_.gdn_conv(a, qg_x_, L.conv1d, conv_state, conv_out_);                           // C = silu(conv(X))
-    be_.gdn_scan(a, conv_out_, v_b_, attn_alpha_, L.A_log, L.dt_bias, rec_state, y_);  // y [T, NV, DV]
+    // C = silu(conv(X)), then y [T, NV, DV] and o = gated_norm(y) [T, NV·DV] in y_
+    be_.gdn_conv_scan_norm(a, qg_x_, L.conv1d, conv_state, conv_out_, v_b_, attn_alpha_, L.A_log, L.dt_bias,
+                           rec_state, k_z_, L.gdn_norm, y_);
   } else {  // the same in two parts, tokens [0, cut) and [cut, T), the state after the first saved between them
     const size_t ab = be_.act_bytes(), C = c.conv_dim(), NV = a.NV, Y = size_t(a.NV) * a.DV;
     auto row = [&](void* p, size_t width, int t) { return static_cast<uint8_t*>(p) + size_t(t) * width * ab; };
@@ -324,9 +325,9 @@ void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* r
     save_bytes(*save, save->gdn_offset(gdn) + save->conv_bytes, rec_state, save->rec_bytes);
     be_.gdn_scan(a2, row(conv_out_, C, cut), row(v_b_, NV, cut), row(attn_alpha_, NV, cut), L.A_log, L.dt_bias,
                  rec_state, row(y_, Y, cut));
+    be_.gdn_norm(a, y_, k_z_, L.gdn_norm, y_);  // o [T, NV·DV], in place
   }
-  be_.gdn_norm(a, y_, k_z_, L.gdn_norm, qg_x_);                                      // o [T, NV·DV]
-  be_.qmm(L.out_proj, qg_x_, T, d_, false);
+  be_.qmm(L.out_proj, y_, T, d_, false);
 }
 
 void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, bool device_pos) {
@@ -351,7 +352,6 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
   int attn_i = 0, gdn_i = 0;
   for (size_t il = 0; il < W.layers.size(); ++il) {
     const LayerWeights& L = W.layers[il];
-    be_.rms_norm(x_, L.input_norm, T, H, eps, a_);  // a = pre-norm(x)
     if (L.full_attention) {
       mixer_attention(L, T, k_cache_[attn_i], v_cache_[attn_i], device_pos);
       ++attn_i;
@@ -381,12 +381,10 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
     logits_rows_ = rows;
   }
   if (mode == Logits::All) {
-    be_.rms_norm(x_, W.final_norm, T, H, eps, a_);
-    be_.qmm(W.lm_head, a_, T, logits_, true);
+    be_.rms_norm_qmm(x_, W.final_norm, eps, &W.lm_head, 1, T, a_, &logits_, true);
     be_.to_host(logits, logits_, size_t(T) * V * sizeof(float));
   } else {  // the last token's row only
-    be_.rms_norm(x_ + size_t(T - 1) * H, W.final_norm, 1, H, eps, a_);
-    be_.qmm(W.lm_head, a_, 1, logits_, true);
+    be_.rms_norm_qmm(x_ + size_t(T - 1) * H, W.final_norm, eps, &W.lm_head, 1, 1, a_, &logits_, true);
     if (mode == Logits::Last) be_.to_host(logits, logits_, V * sizeof(float));
   }
 }

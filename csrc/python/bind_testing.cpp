@@ -209,6 +209,19 @@ std::function<void()> prepare(Backend& be, Runner& r, const std::string& op) {
     for (int i = 0; i < n; ++i) ys.push_back(r.out(cat("y", i), size_t(T) * Ws[i].N, false));
     return [&be, Ws, ys, x, T, n] { be.qmm_multi(Ws.data(), n, x, T, ys.data()); };
   }
+  if (op == "rms_norm_qmm") {  // y_i = (rms_norm(x)·w) · W_iᵀ for W0.. W{n-1}; y_f32 only with n = 1
+    const int T = r.i("T"), n = r.i("n");
+    const bool y_f32 = r.flag("y_f32");
+    std::vector<QMatrix> Ws;
+    std::vector<void*> ys;
+    for (int i = 0; i < n; ++i) Ws.push_back(r.q(cat("W", i), 0));
+    float* x = r.f32("x");
+    float* w = r.f32("w");
+    const float eps = r.f("eps");
+    void* a = r.scratch(size_t(T) * Ws[0].K * be.act_bytes());
+    for (int i = 0; i < n; ++i) ys.push_back(r.out(cat("y", i), size_t(T) * Ws[i].N, y_f32));
+    return [&be, Ws, ys, x, w, eps, a, T, n, y_f32] { be.rms_norm_qmm(x, w, eps, Ws.data(), n, T, a, ys.data(), y_f32); };
+  }
   if (op == "attention") {
     AttnArgs a{r.i("T"), r.i("pos0"), r.i("cache_cap"), r.i("NH"), r.i("NKV"), r.i("HD"), r.i("rotary_dim"),
                r.f("rope_theta"), r.f("eps")};
@@ -243,6 +256,18 @@ std::function<void()> prepare(Backend& be, Runner& r, const std::string& op) {
     float *A = r.f32("A_log"), *dt = r.f32("dt_bias"), *state = r.f32("state");
     void* y = r.out("y", size_t(g.T) * g.NV * g.DV, false);
     return [&be, g, c, b, al, A, dt, state, y] { be.gdn_scan(g, c, b, al, A, dt, state, y); };
+  }
+  if (op == "gdn_conv_scan_norm") {  // gdn_conv, gdn_scan, gdn_norm; the conv output is scratch
+    gdn_dims();
+    const size_t C = 2 * size_t(g.NK) * g.DK + size_t(g.NV) * g.DV;
+    void *x = r.act("x"), *cst = r.act("conv_state"), *b = r.act("b"), *al = r.act("alpha"), *z = r.act("z");
+    float *cw = r.f32("conv_w"), *A = r.f32("A_log"), *dt = r.f32("dt_bias"), *state = r.f32("state");
+    float* w = r.f32("w");
+    void* conv_out = r.scratch(size_t(g.T) * C * be.act_bytes());
+    void* out = r.out("out", size_t(g.T) * g.NV * g.DV, false);
+    return [&be, g, x, cw, cst, conv_out, b, al, A, dt, state, z, w, out] {
+      be.gdn_conv_scan_norm(g, x, cw, cst, conv_out, b, al, A, dt, state, z, w, out);
+    };
   }
   if (op == "gdn_norm") {
     gdn_dims();

@@ -104,6 +104,13 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
             x.update(q), p.update(kp)
         p["n"] = len(d["Ns"])
         x["x"] = _act(rng, (d["T"], d["K"]))
+    elif op == "rms_norm_qmm":
+        for i, n in enumerate(d["Ns"]):
+            q, kp = qmatrix(rng, f"W{i}", 0, n, d["K"], d.get("bits", 4), std=d["K"] ** -0.5)
+            x.update(q), p.update(kp)
+        p.update(n=len(d["Ns"]), eps=1e-6)
+        x["x"] = rng.normal(0, 2.0, size=(d["T"], d["K"])).astype(np.float32)
+        x["w"] = (1.0 + rng.normal(0, 0.1, size=d["K"])).astype(np.float32)
     elif op == "attention":
         T, NH, NKV, HD, pos0 = d["T"], d["NH"], d["NKV"], d["HD"], d["pos0"]
         p.update(cache_cap=pos0 + T + d.get("spare", 3), rotary_dim=d.get("rotary_dim", HD // 4),
@@ -120,17 +127,21 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
         K = d.get("conv_kernel", 4)
         p.update(conv_kernel=K, eps=1e-6)
         C = 2 * NK * DK + NV * DV
-        if op == "gdn_conv":
+        if op in ("gdn_conv", "gdn_conv_scan_norm"):
             x["x"] = _act(rng, (T, C))
-            x["w"] = rng.normal(0, 0.5, size=(C, K)).astype(np.float32)
+            x["w" if op == "gdn_conv" else "conv_w"] = rng.normal(0, 0.5, size=(C, K)).astype(np.float32)
             x["conv_state"] = _act(rng, (K - 1, C))
-        elif op == "gdn_scan":
-            x["c"] = _act(rng, (T, C))
+        if op in ("gdn_scan", "gdn_conv_scan_norm"):
+            if op == "gdn_scan":
+                x["c"] = _act(rng, (T, C))
             x["b"], x["alpha"] = _act(rng, (T, NV)), _act(rng, (T, NV))
             x["A_log"] = np.log(rng.uniform(0.05, 1.0, NV)).astype(np.float32)
             x["dt_bias"] = rng.normal(-1.0, 0.5, NV).astype(np.float32)
             x["state"] = rng.normal(0, 0.1, size=(NV, DV, DK)).astype(np.float32)
-        else:
+            if op == "gdn_conv_scan_norm":
+                x["z"] = _act(rng, (T, NV * DV))
+                x["w"] = (1.0 + rng.normal(0, 0.1, DV)).astype(np.float32)
+        elif op == "gdn_norm":
             x["y"], x["z"] = _act(rng, (T, NV * DV)), _act(rng, (T, NV * DV))
             x["w"] = (1.0 + rng.normal(0, 0.1, DV)).astype(np.float32)
     elif op in ("moe", "moe_residual"):
@@ -190,8 +201,8 @@ def _traffic(c: Case) -> int:
     qb = lambda n, k, bits=4, g=64: n * k * bits // 8 + n * (k // g) * 4
     if c.op == "qmm":
         return qb(d["N"], d["K"], d.get("bits", 4), d.get("group", 64)) + 2 * d["T"] * (d["K"] + d["N"])
-    if c.op == "qmm_multi":
-        return sum(qb(n, d["K"]) + 2 * d["T"] * n for n in d["Ns"]) + 2 * d["T"] * d["K"]
+    if c.op in ("qmm_multi", "rms_norm_qmm"):
+        return sum(qb(n, d["K"], d.get("bits", 4)) + 2 * d["T"] * n for n in d["Ns"]) + 4 * d["T"] * d["K"]
     if c.op in ("moe", "moe_residual"):
         k = d["top_k"]
         eb, gb = d.get("bits", 4), d.get("gate_bits", 8)
@@ -199,7 +210,7 @@ def _traffic(c: Case) -> int:
         return qb(d["E"], d["H"], gb) + routed + 3 * qb(d["IS"], d["H"], eb) + 4 * d["T"] * d["H"]
     if c.op == "attention":
         return 2 * (d["pos0"] + d["T"]) * d["NKV"] * d["HD"] * 2 + d["T"] * d["NH"] * d["HD"] * 8
-    if c.op == "gdn_scan":
+    if c.op in ("gdn_scan", "gdn_conv_scan_norm"):
         return 2 * d["NV"] * d["DV"] * d["DK"] * 4 + d["T"] * (2 * d["NK"] * d["DK"] + 2 * d["NV"] * d["DV"]) * 2
     if c.op in ("rms_norm", "add_rms_norm"):
         return d["T"] * d["H"] * 10
@@ -213,14 +224,14 @@ def _flops(c: Case) -> int:
     d = c.dims
     if c.op == "qmm":
         return 2 * d["T"] * d["N"] * d["K"]
-    if c.op == "qmm_multi":
+    if c.op in ("qmm_multi", "rms_norm_qmm"):
         return 2 * d["T"] * d["K"] * sum(d["Ns"])
     if c.op in ("moe", "moe_residual"):
         return 2 * d["T"] * (d["E"] * d["H"] + 3 * d["top_k"] * d["I"] * d["H"] + 3 * d["IS"] * d["H"])
     if c.op == "attention":
         keys = d["T"] * d["pos0"] + d["T"] * (d["T"] + 1) // 2
         return 4 * d["NH"] * d["HD"] * keys
-    if c.op == "gdn_scan":
+    if c.op in ("gdn_scan", "gdn_conv_scan_norm"):
         return 7 * d["T"] * d["NV"] * d["DV"] * d["DK"]
     return 0
 
@@ -259,6 +270,16 @@ CASES = [
     Case("qmm_multi", dict(T=1, K=2048, Ns=(8192, 512, 512)), tags=("model",)),
     Case("qmm_multi", dict(T=3, K=128, Ns=(200, 64, 4, 4)), tags=("edge",)),
     Case("qmm_multi", dict(T=40, K=256, Ns=(96, 64, 8)), tags=("edge",)),
+    # the input norm and projections (switch qmv_norm: the norm in the streaming GEMV's staging of x), the final norm
+    # and the lm_head; off the stream: rows not in whole units, K over the fused norm's 2048, two tokens
+    Case("rms_norm_qmm", dict(T=1, K=2048, Ns=(8192, 4096, 32, 32)), tags=("model",)),
+    Case("rms_norm_qmm", dict(T=1, K=2048, Ns=(8192, 512, 512)), tags=("model",)),
+    Case("rms_norm_qmm", dict(T=1, K=2048, Ns=(248320,), y_f32=True), tags=("model", "slow"), name="rms_norm_qmm-lm_head"),
+    Case("rms_norm_qmm", dict(T=1, K=1024, Ns=(32, 8, 4)), tags=("edge",)),
+    Case("rms_norm_qmm", dict(T=1, K=1024, Ns=(70,), bits=8, y_f32=True), tags=("edge",)),
+    Case("rms_norm_qmm", dict(T=1, K=1024, Ns=(30, 8, 2)), tags=("edge",)),
+    Case("rms_norm_qmm", dict(T=1, K=4096, Ns=(64,)), tags=("edge",)),
+    Case("rms_norm_qmm", dict(T=2, K=256, Ns=(72, 40)), tags=("edge",)),
     # prefill GEMM
     Case("qmm", dict(T=512, N=8192, K=2048), tags=("model",)),
     Case("qmm", dict(T=512, N=2048, K=4096), tags=("model",)),
@@ -335,6 +356,17 @@ CASES = [
     # the chunk scan over three row blocks (DV = 96) with a partial last chunk; and 16 chunks of the real shapes
     Case("gdn_scan", dict(T=150, NK=2, NV=4, DK=64, DV=96), tags=("edge",)),
     Case("gdn_scan", dict(T=1000, **_gdn_real), tags=("model",)),
+    # a decode token's conv, scan and gated norm (one kernel on CUDA: a block per head, a cluster per key head) at the
+    # real and odd shapes; a window of 3 and three value heads per key head (the conv apart, the scan and norm in one
+    # kernel); a prompt of 3 (the three ops apart)
+    Case("gdn_conv_scan_norm", dict(T=1, **_gdn_real), tags=("model",)),
+    *[Case("gdn_conv_scan_norm", dict(T=1, **d), tags=("edge",)) for d in (dict(NK=4, NV=8, DK=32, DV=64),
+                                                                             dict(NK=2, NV=4, DK=64, DV=96),
+                                                                             dict(NK=1, NV=2, DK=32, DV=48),
+                                                                             dict(NK=2, NV=4, DK=64, DV=64,
+                                                                                  conv_kernel=3),
+                                                                             dict(NK=1, NV=3, DK=32, DV=32))],
+    Case("gdn_conv_scan_norm", dict(T=3, NK=2, NV=4, DK=64, DV=32), tags=("edge",)),
     Case("gdn_norm", dict(T=1, **_gdn_real), tags=("model",)),
     Case("gdn_norm", dict(T=300, **_gdn_real), tags=("model",)),
     Case("gdn_norm", dict(T=33, NK=2, NV=4, DK=32, DV=64), tags=("edge",)),
@@ -358,6 +390,9 @@ CASES = [
     # the MoE half of a layer with its residual (decode: the norm in the router, the residual in the down kernel)
     Case("moe_residual", dict(T=1, **_moe_real), tags=("model", "slow")),
     Case("moe_residual", dict(T=1, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
+    # one token whose router (8-bit, then 4-bit) the streaming decode GEMV takes
+    Case("moe_residual", dict(T=1, H=512, E=16, top_k=4, I=128, IS=128), tags=("edge",)),
+    Case("moe_residual", dict(T=1, H=1024, E=8, top_k=2, I=64, IS=64, gate_bits=4), tags=("edge",)),
     Case("moe_residual", dict(T=3, H=64, E=8, top_k=2, I=64, IS=128), tags=("edge",)),
     Case("moe_residual", dict(T=130, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
     Case("moe_residual", dict(T=1, H=128, E=8, top_k=2, I=64, IS=64, bits=8, gate_bits=4), tags=("edge",)),

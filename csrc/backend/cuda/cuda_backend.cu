@@ -146,6 +146,11 @@ class CudaBackend final : public Backend {
     else
       Backend::qmm_multi(W, n, x, T, y);
   }
+  void rms_norm_qmm(const float* x, const float* w, float eps, const QMatrix* W, int n, int T, void* a,
+                    void* const* y, bool y_f32) override {
+    if (T != 1 || !cuda::qmv_norm(ctx_, W, n, x, w, eps, y, y_f32))
+      Backend::rms_norm_qmm(x, w, eps, W, n, T, a, y, y_f32);
+  }
   void moe_residual(float* x, const void* d, const float* w, float eps, const MoeArgs& a, const MoeWeights& mw,
                     void* m, void* out) override {
     cuda::moe_residual(ctx_, x, cb(d), w, eps, a, mw, b(m), b(out));
@@ -163,6 +168,13 @@ class CudaBackend final : public Backend {
   }
   void gdn_norm(const GdnArgs& a, const void* y, const void* z, const float* w, void* out) override {
     cuda::gdn_norm(ctx_, a, cb(y), cb(z), w, b(out));
+  }
+  void gdn_conv_scan_norm(const GdnArgs& a, const void* x, const float* conv_w, void* conv_state, void* conv_out,
+                          const void* bb, const void* alpha, const float* A_log, const float* dt_bias, float* state,
+                          const void* z, const float* w, void* out) override {
+    if (!cuda::gdn_conv_scan_norm(ctx_, a, cb(x), conv_w, b(conv_state), b(conv_out), cb(bb), cb(alpha), A_log,
+                                  dt_bias, state, cb(z), w, b(out)))
+      Backend::gdn_conv_scan_norm(a, x, conv_w, conv_state, conv_out, bb, alpha, A_log, dt_bias, state, z, w, out);
   }
   void moe(const MoeArgs& a, const MoeWeights& w, const void* m, void* out) override {
     cuda::moe(ctx_, a, w, cb(m), b(out));

@@ -35,9 +35,17 @@
 //          chunked scan (T ≥ kChunkMinT, switch gdn_chunked): see "chunked prefill" below (the WY form per 64 tokens,
 //            gdn_wy_mma_kernel (or gdn_wy_kernel) then gdn_chunk_scan_kernel on the tensor cores).
 //          norm: one warp per (token, value head), 4 adjacent values per lane per 128.
+//          one decode token (gdn_conv_scan_norm, T = 1, the switches above): block = value head, 128 threads per 32
+//            state rows (≤ 512), scan_kernel's lanes and rows; threads i < DK hold q_i and k_i of the key head and
+//            the block reduces Σq², Σk², Σqk itself; the gated norm's Σy² is one block sum. With the conv (K = 4,
+//            NV = 2·NK): each thread convolves the channels it reads from x, the taps and the state rows loaded
+//            before the PDL wait; the two value heads of a key head are a cluster of two blocks (__cluster_dims__):
+//            both arrive at the cluster barrier once they have read the old state, and the even head writes the
+//            q/k channels' new state after waiting on it; each head writes its own v channels' state.
 // Checks   conv: C % 4 == 0, 1 ≤ K ≤ 9, T ≥ 0, x/out/state 8-byte aligned (8 channels per thread only where C % 8 == 0
 //          and they are 16-byte aligned).  scan: DK ∈ {32, 64, 128}, DV % 8 == 0, NV % NK == 0, c and y 16-byte
-//          aligned, state 16-byte aligned.  norm: DV % 4 == 0, DV ≤ 256.
+//          aligned, state 16-byte aligned.  norm: DV % 4 == 0, DV ≤ 256.  one decode token in one kernel: DV ≤ 128
+//          (else the three ops apart); its conv: K = 4, NV = 2·NK and 16-byte aligned taps (else the conv apart).
 // Ref      cpu/gdn.cpp (conv, scan), cpu/norm.cpp (gdn_norm)
 // History  v1, H200, real shapes, per call (stream-timed, launch included): conv 5 µs (T=1), 33 µs (512),
 //          168 µs (4096); scan (prep + scan) 8–10 µs (T=1), 156 µs (512), 1.22 ms (4096; 1 row per thread: 1.39 ms,
@@ -56,10 +64,16 @@
 //          rounding: the solve is exact fp32).
 //          v5 (2026-12-02), same measure: gdn_conv's 16-byte rows staged by cp.async 88.5 → 80.5 µs;
 //          gdn_norm loading z with y before the reduction 41.3 → 35.7 µs.
-//          v6 (current, 2026-12-03) decode: before the PDL wait the conv loads its taps and state rows, the scan its
+//          v6 (2026-12-03) decode: before the PDL wait the conv loads its taps and state rows, the scan its
 //          state rows (only this layer's own kernel wrote them, a step earlier), the prep its gate weights and the
 //          norm its weights, so that after the wait each reads only what the previous kernel wrote: with route_fused,
 //          decode 519 → 532 tok/s at 4K (the same run's builds; benchmarks/NOTES.md v11).
+//          v7 (current, 2026-12-04) a decode token's layer in one kernel, one switch per step: gdn_scan_token_kernel
+//          (gdn_prep_fused: the prep in the scan, +3.0 %), one block per head with the gated norm (gdn_norm_fused,
+//          +2.2 %), gdn_conv_token_kernel with the conv too (gdn_conv_fused, +1.7 %): decode 568 → 601 tok/s at 4K
+//          (benchmarks/probes/ab_decode.py; NOTES.md v14). Where v2's fused kernel waited on arrival counters, these
+//          recompute what a block needs (q/k norms, gates) and guard the one shared write (the q/k conv state) by
+//          a cluster barrier.
 #include <algorithm>
 #include <type_traits>
 
@@ -275,6 +289,38 @@ __global__ void __launch_bounds__(kPrepWarps * 32) gdn_scan_prep_kernel(const bf
   }
 }
 
+// The lane's part of the thread's kScanRpt state rows against k̂ and q̂ (qs, ks: DK floats each, in shared memory):
+// a_k = S_i·k̂ and a_q = S_i·q̂ with the old S, summed over the row's kScanLanes lanes; kv gets the lane's k̂ chunks
+// for the update. Shared by gdn_scan_kernel and the one-token kernels, so the two compute y bit for bit alike.
+template <int kM>
+__device__ __forceinline__ void scan_dots(const float4 (&S)[kScanRpt][kM], const float* qs, const float* ks, int s,
+                                          float4 (&kv)[kM], float (&ak)[kScanRpt], float (&aq)[kScanRpt]) {
+  float4 qv[kM];
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+    kv[m] = *reinterpret_cast<const float4*>(ks + 4 * s + 4 * kScanLanes * m);
+    qv[m] = *reinterpret_cast<const float4*>(qs + 4 * s + 4 * kScanLanes * m);
+  }
+#pragma unroll
+  for (int j = 0; j < kScanRpt; ++j) {
+    ak[j] = aq[j] = 0.0f;
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      const float4 sv = S[j][m];
+      ak[j] += sv.x * kv[m].x + sv.y * kv[m].y + sv.z * kv[m].z + sv.w * kv[m].w;  // S_i·k̂ (old S)
+      aq[j] += sv.x * qv[m].x + sv.y * qv[m].y + sv.z * qv[m].z + sv.w * qv[m].w;  // S_i·q̂ (old S)
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < kScanLanes; o <<= 1) {
+#pragma unroll
+    for (int j = 0; j < kScanRpt; ++j) {
+      ak[j] += __shfl_xor_sync(0xffffffffu, ak[j], o);
+      aq[j] += __shfl_xor_sync(0xffffffffu, aq[j], o);
+    }
+  }
+}
+
 // Block = (value head h = block.x, state rows r0 = 32·block.y ..). Thread tid: rows r0 + lr + kScanRowStride·j
 // (lr = tid/8, j < kScanRpt), lane-in-row s = tid%8, columns 4·s + 32·m + {0..3}, m < DK/32: the k̂, q̂ values a
 // lane loads from shared memory serve kScanRpt rows. Rows ≥ DV compute on zeros and are never stored (the
@@ -331,31 +377,9 @@ __global__ void __launch_bounds__(kScanThreads) gdn_scan_kernel(const float* qk,
     for (int tt = 0; tt < nt; ++tt) {
       const float* qs = s_qk[buf][tt];
       const float* ks = qs + DK;
-      float4 kv[kM], qv[kM];
-#pragma unroll
-      for (int m = 0; m < kM; ++m) {
-        kv[m] = *reinterpret_cast<const float4*>(ks + 4 * s + 4 * kScanLanes * m);
-        qv[m] = *reinterpret_cast<const float4*>(qs + 4 * s + 4 * kScanLanes * m);
-      }
+      float4 kv[kM];
       float ak[kScanRpt], aq[kScanRpt];
-#pragma unroll
-      for (int j = 0; j < kScanRpt; ++j) {
-        ak[j] = aq[j] = 0.0f;
-#pragma unroll
-        for (int m = 0; m < kM; ++m) {
-          const float4 sv = S[j][m];
-          ak[j] += sv.x * kv[m].x + sv.y * kv[m].y + sv.z * kv[m].z + sv.w * kv[m].w;  // S_i·k̂ (old S)
-          aq[j] += sv.x * qv[m].x + sv.y * qv[m].y + sv.z * qv[m].z + sv.w * qv[m].w;  // S_i·q̂ (old S)
-        }
-      }
-#pragma unroll
-      for (int o = 1; o < kScanLanes; o <<= 1) {
-#pragma unroll
-        for (int j = 0; j < kScanRpt; ++j) {
-          ak[j] += __shfl_xor_sync(0xffffffffu, ak[j], o);
-          aq[j] += __shfl_xor_sync(0xffffffffu, aq[j], o);
-        }
-      }
+      scan_dots(S, qs, ks, s, kv, ak, aq);
       const float4 gt = s_gate[buf][tt];  // (g, β, k̂·q̂)
       const float g = gt.x;
 #pragma unroll
@@ -391,6 +415,211 @@ __global__ void __launch_bounds__(kScanThreads) gdn_scan_kernel(const float* qk,
       for (int m = 0; m < kM; ++m) dst[kScanLanes * m] = S[j][m];
     }
   }
+}
+
+// What the one-token kernels read and write (gdn_scan_token_kernel, gdn_conv_token_kernel).
+struct TokenArgs {
+  const bf16* c;  // conv output [C] (not read by gdn_conv_token_kernel, which computes it)
+  const bf16 *b, *alpha;
+  const float *A_log, *dt_bias;
+  float* state;
+  bf16* y;        // y [NV·DV], or (NORM) the gated norm o
+  const bf16* z;  // NORM: z and the norm weight
+  const float* nw;
+  float eps;
+  int NK, NV, DV;
+  const bf16* x;    // CONV: the conv's input row [C], its taps fp32 [C, 4] and state bf16 [3, C]
+  const float* cw;
+  bf16* cst;
+  int C;
+};
+
+constexpr int kTokenConvK = 4;  // the conv window gdn_conv_token_kernel takes (the real model's)
+
+// One channel of a decode token's conv: silu(Σ_k w_k·u_k), u = (state rows 0..2, x), as gdn_conv_kernel sums it,
+// rounded to bf16 as gdn_conv_kernel stores it.
+__device__ __forceinline__ float conv_token(float4 w, const float (&u)[kTokenConvK - 1], float x) {
+  float acc = 0.0f;
+  acc += w.x * u[0];
+  acc += w.y * u[1];
+  acc += w.z * u[2];
+  acc += w.w * x;
+  return __bfloat162float(__float2bfloat16(siluf_(acc)));
+}
+
+// Switch gdn_prep_fused: one token (T = 1, decode) in one kernel. Block (value head h, 32 state rows) as
+// gdn_scan_kernel's, 128 threads ≥ DK: thread i < DK normalises q_i and k_i of key head kh itself (the block's three
+// sums Σq², Σk², Σqk by warp shuffles then across the 4 warps in order), every thread computes the head's gates, and
+// the state update is gdn_scan_kernel's for one token. What gdn_scan_prep_kernel hands on through scratch is
+// recomputed by each of the head's blocks (512 bytes of c and two scalars): one kernel and one round trip fewer.
+// NORM (switch gdn_norm_fused): one block per head, kScanThreads per 32 rows (blockDim = 128·⌈DV/32⌉ ≤ 512), and the
+// head's gated norm done here: o = bf16(y) / sqrt(mean(bf16(y)²) + eps) · w · silu(z) (gdn_norm_kernel's arithmetic,
+// the mean by one block sum), written to out instead of y: the gdn_norm kernel and y's round trip fewer.
+// CONV (switch gdn_conv_fused, with NORM): the conv too. Each thread computes the channels it reads (q_i, k_i; v of
+// its rows) from x, the taps and the state rows (gdn_conv_kernel's sum and rounding), so no conv output round trip.
+// The two value heads of a key head both read its q/k channels' state: they run as a cluster of two blocks, each
+// arriving at the cluster barrier once it has read the old state, and the even head writing the new q/k state only
+// after the barrier; the v channels' state is each block's own.
+template <int DK, bool NORM, bool CONV>
+__device__ __forceinline__ void gdn_token(const TokenArgs& p) {
+  static_assert(DK <= kScanThreads, "one thread per key column");
+  static_assert(NORM || !CONV, "the conv is folded only into the one-block-per-head form");
+  constexpr int kM = DK / (4 * kScanLanes);
+  constexpr int kWarps = kScanThreads / 32;
+  constexpr int kBlockWarps = NORM ? 4 * kWarps : kWarps;
+  constexpr int S3 = kTokenConvK - 1;
+  __shared__ __align__(16) float s_qk[2 * DK];  // q̂ then k̂
+  __shared__ float s_red[kWarps][3];
+  __shared__ float s_ss[kBlockWarps];
+  const int NK = p.NK, NV = p.NV, DV = p.DV;
+  const int tid = threadIdx.x, sub = tid / kScanThreads, st = tid % kScanThreads;
+  const int h = blockIdx.x, kh = h / (NV / NK), r0 = (NORM ? sub : int(blockIdx.y)) * kScanRows;
+  const int lr = st / kScanLanes, s = st % kScanLanes, lane = tid & 31, warp = tid >> 5;
+  const int ch_q = kh * DK + tid, ch_k = (NK + kh) * DK + tid, ch_v = 2 * NK * DK + h * DV;  // conv channels
+
+  // The state and the head's gate (and norm, conv) weights before the PDL wait (only this layer's kernels of an
+  // earlier step wrote the two states).
+  float4 S[kScanRpt][kM];
+  float wn[kScanRpt];
+  float4 cwq, cwk, cwv[kScanRpt];  // CONV: the taps of q_i, k_i and of the thread's v rows
+  float uq[S3], uk[S3], uv[kScanRpt][S3];  // CONV: their state rows
+#pragma unroll
+  for (int j = 0; j < kScanRpt; ++j) {
+    const int row = r0 + lr + kScanRowStride * j;
+    const float4* src = reinterpret_cast<const float4*>(p.state + (size_t(h) * DV + row) * DK) + s;
+#pragma unroll
+    for (int m = 0; m < kM; ++m) S[j][m] = row < DV ? src[kScanLanes * m] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    wn[j] = NORM && row < DV ? p.nw[row] : 0.0f;
+    if constexpr (CONV) {
+      const int ch = ch_v + min(row, DV - 1);
+      cwv[j] = reinterpret_cast<const float4*>(p.cw)[ch];
+#pragma unroll
+      for (int r = 0; r < S3; ++r) uv[j][r] = to_f(p.cst[size_t(r) * p.C + ch]);
+    }
+  }
+  if constexpr (CONV) {
+    const int tq = min(tid, DK - 1);
+    cwq = reinterpret_cast<const float4*>(p.cw)[ch_q - tid + tq];
+    cwk = reinterpret_cast<const float4*>(p.cw)[ch_k - tid + tq];
+#pragma unroll
+    for (int r = 0; r < S3; ++r) {
+      uq[r] = to_f(p.cst[size_t(r) * p.C + ch_q - tid + tq]);
+      uk[r] = to_f(p.cst[size_t(r) * p.C + ch_k - tid + tq]);
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");  // this block has read the old state
+  }
+  const float a_log = p.A_log[h], dtb = p.dt_bias[h];
+  pdl_wait();
+
+  float qi = 0.0f, ki = 0.0f, xq = 0.0f, xk = 0.0f;
+  float v[kScanRpt], zr[kScanRpt], xv[kScanRpt];
+  if constexpr (CONV) {
+    const int tq = min(tid, DK - 1);
+    xq = to_f(p.x[ch_q - tid + tq]);
+    xk = to_f(p.x[ch_k - tid + tq]);
+#pragma unroll
+    for (int j = 0; j < kScanRpt; ++j) xv[j] = to_f(p.x[ch_v + min(r0 + lr + kScanRowStride * j, DV - 1)]);
+    if (tid < DK) qi = conv_token(cwq, uq, xq), ki = conv_token(cwk, uk, xk);
+  } else if (tid < DK) {
+    qi = to_f(p.c[ch_q]);
+    ki = to_f(p.c[ch_k]);
+  }
+#pragma unroll
+  for (int j = 0; j < kScanRpt; ++j) {
+    const int row = r0 + lr + kScanRowStride * j;
+    if constexpr (CONV)
+      v[j] = row < DV ? conv_token(cwv[j], uv[j], xv[j]) : 0.0f;
+    else
+      v[j] = row < DV ? to_f(p.c[ch_v + row]) : 0.0f;
+    zr[j] = NORM && row < DV ? to_f(p.z[size_t(h) * DV + row]) : 0.0f;
+  }
+  const float bh = to_f(p.b[h]), ah = to_f(p.alpha[h]);
+  const float wq = warp_sum(qi * qi), wk = warp_sum(ki * ki), wkq = warp_sum(ki * qi);
+  if (lane == 0 && warp < kWarps) s_red[warp][0] = wq, s_red[warp][1] = wk, s_red[warp][2] = wkq;
+  __syncthreads();
+  float sq = 0.0f, sk = 0.0f, skq = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) sq += s_red[w][0], sk += s_red[w][1], skq += s_red[w][2];
+  const float rq = (1.0f / sqrtf(float(DK))) / sqrtf(sq + 1e-6f);  // q̂ = q / sqrt(Σq² + 1e-6) / sqrt(DK)
+  const float rk = 1.0f / sqrtf(sk + 1e-6f);                       // k̂ = k / sqrt(Σk² + 1e-6)
+  if (tid < DK) s_qk[tid] = qi * rq, s_qk[DK + tid] = ki * rk;
+  const float kq = skq * rq * rk;                    // k̂·q̂
+  const float beta = 1.0f / (1.0f + expf(-bh));      // β = σ(b)
+  const float x = ah + dtb;
+  const float g = expf(-expf(a_log) * (fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)))));  // g = exp(−exp(A_log)·softplus)
+  __syncthreads();
+
+  float4 kv[kM];
+  float ak[kScanRpt], aq[kScanRpt];
+  scan_dots(S, s_qk, s_qk + DK, s, kv, ak, aq);
+  float out[kScanRpt];
+#pragma unroll
+  for (int j = 0; j < kScanRpt; ++j) {
+    const int row = r0 + lr + kScanRowStride * j;
+    const float delta = beta * (v[j] - g * ak[j]);  // δ = β·(v − (g·S)·k̂)
+    out[j] = g * aq[j] + delta * kq;                // y = (g·S + δ⊗k̂)·q̂
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {  // S ← g·S + δ ⊗ k̂
+      S[j][m].x = fmaf(S[j][m].x, g, delta * kv[m].x);
+      S[j][m].y = fmaf(S[j][m].y, g, delta * kv[m].y);
+      S[j][m].z = fmaf(S[j][m].z, g, delta * kv[m].z);
+      S[j][m].w = fmaf(S[j][m].w, g, delta * kv[m].w);
+    }
+    if (row < DV) {
+      if (!NORM && s == 0) p.y[size_t(h) * DV + row] = __float2bfloat16(out[j]);
+      float4* dst = reinterpret_cast<float4*>(p.state + (size_t(h) * DV + row) * DK) + s;
+#pragma unroll
+      for (int m = 0; m < kM; ++m) dst[kScanLanes * m] = S[j][m];
+      if (CONV && s == 0) {  // the v channel's new state rows: old rows 1, 2 and x (this block's alone)
+#pragma unroll
+        for (int r = 0; r < S3; ++r)
+          p.cst[size_t(r) * p.C + ch_v + row] = __float2bfloat16(r + 1 < S3 ? uv[j][r + 1] : xv[j]);
+      }
+    }
+  }
+  if constexpr (NORM) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kScanRpt; ++j) {
+      out[j] = __bfloat162float(__float2bfloat16(out[j]));  // y as gdn_norm reads it
+      if (s == 0 && r0 + lr + kScanRowStride * j < DV) ss += out[j] * out[j];
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) s_ss[warp] = ss;
+    __syncthreads();
+    float tot = 0.0f;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) tot += s_ss[w];
+    const float rs = 1.0f / sqrtf(tot / float(DV) + p.eps);  // 1 / sqrt(mean(y²) + eps)
+#pragma unroll
+    for (int j = 0; j < kScanRpt; ++j) {
+      const int row = r0 + lr + kScanRowStride * j;
+      if (s == 0 && row < DV) p.y[size_t(h) * DV + row] = __float2bfloat16(out[j] * rs * wn[j] * siluf_(zr[j]));
+    }
+  }
+  if constexpr (CONV) {  // the q/k channels' new state, once both heads of the pair have read the old one
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    if (h % 2 == 0 && tid < DK) {
+#pragma unroll
+      for (int r = 0; r < S3; ++r) {
+        p.cst[size_t(r) * p.C + ch_q] = __float2bfloat16(r + 1 < S3 ? uq[r + 1] : xq);
+        p.cst[size_t(r) * p.C + ch_k] = __float2bfloat16(r + 1 < S3 ? uk[r + 1] : xk);
+      }
+    }
+  }
+}
+
+template <int DK, bool NORM>
+__global__ void __launch_bounds__(NORM ? 4 * kScanThreads : kScanThreads)
+    gdn_scan_token_kernel(const __grid_constant__ TokenArgs p) {
+  pdl_trigger();
+  gdn_token<DK, NORM, false>(p);
+}
+
+template <int DK>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(4 * kScanThreads)
+    gdn_conv_token_kernel(const __grid_constant__ TokenArgs p) {
+  pdl_trigger();
+  gdn_token<DK, true, true>(p);
 }
 
 // One warp per (token, value head) row of DV values: o = y / sqrt(mean(y²) + eps) · w · silu(z).
@@ -996,6 +1225,14 @@ void dispatch_dk(int DK, F&& f) {
     throw InputError(cat("gdn_scan: DK = ", DK, " is not supported by the CUDA backend (32, 64 or 128)"));
 }
 
+TokenArgs token_args(const GdnArgs& a, const bf16* c, const bf16* b, const bf16* alpha, const float* A_log,
+                     const float* dt_bias, float* state, bf16* y) {
+  TokenArgs p{};
+  p.c = c, p.b = b, p.alpha = alpha, p.A_log = A_log, p.dt_bias = dt_bias, p.state = state, p.y = y;
+  p.eps = a.eps, p.NK = a.NK, p.NV = a.NV, p.DV = a.DV, p.C = conv_dim(a);
+  return p;
+}
+
 }  // namespace
 
 // ---- launchers ----------------------------------------------------------------------------------------------------
@@ -1037,6 +1274,13 @@ void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf
   dispatch_dk(a.DK, [&](auto dk) {
     constexpr int DK = decltype(dk)::value;
     if (a.T == 0) return;
+    if (a.T == 1 && ctx.opts.on(Opt::gdn_prep_fused)) {  // a decode token: prep and recurrence in one kernel
+      const TokenArgs p = token_args(a, c, b, alpha, A_log, dt_bias, state, y);
+      launch(ctx, gdn_scan_token_kernel<DK, false>, dim3(unsigned(a.NV), unsigned(cdiv(a.DV, kScanRows))),
+             kScanThreads, 0, p);
+      check_launch("gdn_scan_token");
+      return;
+    }
     const Parts<2> sp = gdn_scan_parts(a, a.T);
     void* scratch = ctx.scratch(kSlotGdn, sp.bytes);
     float* qk = sp.at<float>(scratch, 0);
@@ -1076,6 +1320,38 @@ void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf
     launch(ctx, gdn_scan_kernel<DK>, grid, kScanThreads, 0, qk, gates, c, state, y, a.T, a.NK, a.NV, a.DV, C);
   });
   check_launch("gdn_scan");
+}
+
+bool gdn_conv_scan_norm(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* conv_w, bf16* conv_state,
+                        bf16* conv_out, const bf16* b, const bf16* alpha, const float* A_log, const float* dt_bias,
+                        float* state, const bf16* z, const float* w, bf16* out) {
+  if (a.T != 1 || !ctx.opts.on(Opt::gdn_prep_fused) || !ctx.opts.on(Opt::gdn_norm_fused) || a.DV > 4 * kScanRows)
+    return false;
+  check_gdn_heads(a, "gdn_conv_scan_norm");
+  LILY_CHECK(a.DV % 8 == 0, "gdn_conv_scan_norm: DV = ", a.DV, " must be a multiple of 8");
+  LILY_CHECK(aligned(state, 16), "gdn_conv_scan_norm: state must be 16-byte aligned");
+  LILY_CHECK(z && w && out, "gdn_conv_scan_norm: null z, w or out");
+  TokenArgs p = token_args(a, conv_out, b, alpha, A_log, dt_bias, state, out);
+  p.z = z, p.nw = w;
+  // The conv too (switch gdn_conv_fused) where its window is the real model's and a key head has two value heads
+  // (the cluster of two blocks); else the conv kernel first.
+  const bool conv = ctx.opts.on(Opt::gdn_conv_fused) && a.conv_kernel == kTokenConvK && a.NV == 2 * a.NK &&
+                    aligned(conv_w, 16);
+  if (conv) {
+    p.c = nullptr, p.x = x, p.cw = conv_w, p.cst = conv_state;
+  } else {
+    gdn_conv(ctx, a, x, conv_w, conv_state, conv_out);
+  }
+  const unsigned threads = unsigned(cdiv(a.DV, kScanRows) * kScanThreads);
+  dispatch_dk(a.DK, [&](auto dk) {
+    constexpr int DK = decltype(dk)::value;
+    if (conv)
+      launch(ctx, gdn_conv_token_kernel<DK>, unsigned(a.NV), threads, 0, p);
+    else
+      launch(ctx, gdn_scan_token_kernel<DK, true>, unsigned(a.NV), threads, 0, p);
+  });
+  check_launch("gdn_conv_scan_norm");
+  return true;
 }
 
 void gdn_norm(Ctx& ctx, const GdnArgs& a, const bf16* y, const bf16* z, const float* w, bf16* out) {

@@ -18,6 +18,10 @@ void add_rms_norm(Ctx& ctx, float* x, const bf16* d, const float* w, int T, int 
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
 void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32);
 bool qmv_takes(const Ctx& ctx, const QMatrix& W, int T);
+// Switch qmv_norm, one token: y[i] = (rms_norm(x)·w) · W[i]ᵀ with the norm done by the streaming GEMV as it stages x
+// (x, w fp32 [K]). Returns false, launching nothing, where the streaming kernel does not take these matrices.
+bool qmv_norm(Ctx& ctx, const QMatrix* Ws, int n, const float* x, const float* w, float eps, void* const* ys,
+              bool y_f32);
 // qmm.cu: any T; what qmv_takes goes to qmv, larger T to the tile GEMMs (N/256 blocks of 64 tokens at the least:
 // latency-bound for a short tail, 32 µs for the 8 MB of an 8192 × 2048 projection at T = 14 on the H200).
 void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
@@ -39,6 +43,12 @@ void attention(Ctx& ctx, const AttnArgs& a, const bf16* qg, const bf16* k, const
 void gdn_conv(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* w, bf16* conv_state, bf16* out);
 void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf16* alpha, const float* A_log,
               const float* dt_bias, float* state, bf16* y);
+// A decode token's conv, scan and gated norm (switches gdn_prep_fused and gdn_norm_fused, DV ≤ 128: the scan and the
+// norm in one kernel; gdn_conv_fused: the conv in it too, where K = 4 and NV = 2·NK); false (nothing launched) where
+// it does not apply, and the caller runs gdn_conv, gdn_scan and gdn_norm. conv_out is scratch.
+bool gdn_conv_scan_norm(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* conv_w, bf16* conv_state,
+                        bf16* conv_out, const bf16* b, const bf16* alpha, const float* A_log, const float* dt_bias,
+                        float* state, const bf16* z, const float* w, bf16* out);
 void gdn_norm(Ctx& ctx, const GdnArgs& a, const bf16* y, const bf16* z, const float* w, bf16* out);
 
 // moe.cu

@@ -12,7 +12,9 @@
 // Work     2·T·N·K FLOP, ≤ 4 FLOP per weight byte at T=1 (64 at T=16): bandwidth-bound.  Floor @ 4.8 TB/s
 //          (4.25 measured copy): 8192×2048 2.0 µs (2.2);  lm_head 59.6 µs (67.3);  the ≤ 1 MB matrices are
 //          launch/latency-bound (~2 µs).
-// Mapping  block = 8 warps; a warp owns 4 rows and a 1/split share of K (split 1..8 so that small N still fills
+// Mapping  (qmv_norm: x = rms_norm(xn)·w from fp32 xn [K ≤ 2048], each streaming block normalising it itself with
+//          the norm kernel's partition and block sum, so x is bitwise the norm kernel's bf16 row.)
+//          block = 8 warps; a warp owns 4 rows and a 1/split share of K (split 1..8 so that small N still fills
 //          132 SMs): lane l reads 16-byte chunks c = 32·sp + l + 32·split·i of all 4 rows (512 coalesced bytes per
 //          row per warp step), issues up to 8 chunk loads before the first use and before x is staged. x is staged
 //          once per block into shared memory as fp32, swizzled (float4 slot XOR row mod 8: quarter-warps reading
@@ -27,8 +29,12 @@
 //          projections: 3 launches fewer per layer) · v3 (2026-12-01) T = 1 on qmv_stream_kernel (switch
 //          qmv_stream: persistent warps, two units in flight): +2.6 % decode at 4K; weights loaded before the PDL
 //          wait. Tried and removed: the input RMSNorm computed in the prologue of every block (−14.7 % decode).
-//          v4 (current, 2026-12-02) 9 ≤ T ≤ 16 on qmv_mma_kernel (switch qmv_mma), replacing two passes of qmv_kernel
+//          v4 (2026-12-02) 9 ≤ T ≤ 16 on qmv_mma_kernel (switch qmv_mma), replacing two passes of qmv_kernel
 //          (T FMAs per code in fp32: 2.15 ms per pass over the dense weights of a 14-token forward).
+//          v5 (current, 2026-12-04) qmv_norm (switch qmv_norm, op rms_norm_qmm): the streaming kernel stages
+//          rms_norm(x)·w from the fp32 residual itself (stage_x_norm, after its first weight units are in flight),
+//          so the input projections and the lm_head need no norm kernel: decode +1.35 % at 4K. Tried and removed:
+//          the post-mixer residual add and norm in the router the same way (+0.6 %, benchmarks/NOTES.md v14).
 #include <utility>
 
 #include "backend/cuda/gemm.cuh"
@@ -67,6 +73,10 @@ struct QmvParams {
   int split_log;       // log2 of the warps sharing one row set (K split)
   int rows;            // rows of all matrices together
   bool y_f32;
+  // Switch qmv_norm (qmv_stream_kernel): when xn is set, x is rms_norm(xn)·nw (fp32 [K] each), computed while staging.
+  const float* xn;
+  const float* nw;
+  float eps;
 };
 
 // float4 slot of element e (e % 4 == 0) in a swizzled fp32 x row: rows of 32 floats, slot (e/4 mod 8) XOR (row mod 8).
@@ -108,6 +118,47 @@ __device__ __forceinline__ void stage_x(const QmvParams& p, float4* xs, float* x
       xs[t * K4 + xslot(e + 4)] = make_float4(f2.x, f2.y, f3.x, f3.y);
     }
     xsum[t * C + c] = sum;
+  }
+}
+
+// Switch qmv_norm, one token: x = bf16(xn · r · nw), r = 1 / sqrt(mean(xn²) + eps), staged as stage_x stages x. Thread
+// i holds float4 chunks i + blockDim·j of xn and nw (loaded together after the PDL wait), the partition and block sum of
+// rms_norm_kernel for a block of this size, so x is bitwise the norm kernel's; Σx per 16-byte code chunk by shuffles
+// over the lanes holding its kF4 float4s.
+constexpr int kNormF4 = 2;  // float4 chunks of xn per thread: K ≤ 2 · 4 · blockDim (2048 for the 256-thread stream)
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+template <int BITS>
+__device__ __forceinline__ void stage_x_norm(const QmvParams& p, float4* xs, float* xsum) {
+  constexpr int kF4 = 32 / BITS;  // float4s of x per 16-byte chunk of codes
+  const int K4 = p.K / 4;
+  const float4* xr = reinterpret_cast<const float4*>(p.xn);
+  const float4* wr = reinterpret_cast<const float4*>(p.nw);
+  float4 v[kNormF4], wv[kNormF4];
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kNormF4; ++j) {  // xn and nw in one round trip
+    const int i = threadIdx.x + j * blockDim.x;
+    v[j] = i < K4 ? xr[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    wv[j] = i < K4 ? __ldg(wr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+#pragma unroll
+  for (int j = 0; j < kNormF4; ++j) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+  const float r = 1.0f / sqrtf(block_sum(ss) / float(p.K) + p.eps);
+#pragma unroll
+  for (int j = 0; j < kNormF4; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;  // K4 % kF4 == 0: a chunk's lanes are all in or all out
+    const float4 w4 = wv[j];
+    const float4 o = make_float4(bf16_round(v[j].x * r * w4.x), bf16_round(v[j].y * r * w4.y),
+                                 bf16_round(v[j].z * r * w4.z), bf16_round(v[j].w * r * w4.w));  // as rms_norm stores
+    float sum = (o.x + o.y) + (o.z + o.w);
+#pragma unroll
+    for (int m = 1; m < kF4; m <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+    if (i < K4) {
+      xs[xslot(4 * i)] = o;
+      if (i % kF4 == 0) xsum[i / kF4] = sum;
+    }
   }
 }
 
@@ -337,7 +388,10 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
   pdl_trigger();
   if (u < units) load(u, A);  // the weight stream starts before the previous kernel is done
   pdl_wait();
-  stage_x<BITS, 1>(p, xs, xsum);
+  if (p.xn)
+    stage_x_norm<BITS>(p, xs, xsum);
+  else
+    stage_x<BITS, 1>(p, xs, xsum);
   __syncthreads();
   while (u < units) {  // two units per trip, so that A and B swap roles without run-time register indexing
     const int u1 = u + warps;
@@ -518,6 +572,8 @@ QmvParams qmv_params(const QMatrix* Ws, int n, const bf16* x, void* const* ys, b
   p.groups = W.K / W.group;
   p.gshift = log2_exact(W.group / epc);
   p.y_f32 = y_f32;
+  p.xn = p.nw = nullptr;
+  p.eps = 0.0f;
   p.split_log = 0;
   p.rows = 0;
   for (int i = 0; i < n; ++i) {
@@ -541,13 +597,46 @@ void qmv_mma(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* con
   check_launch("qmv_mma");
 }
 
+// The streaming kernel takes one token with whole 32-chunk lanes (CPL 1 or 2, and 4 at 8 bits: 4-bit rows of 4096
+// spill at CPL 4 and stay with qmv_kernel, which splits them over 4 warps) and every matrix in whole units of 4/CPL
+// rows (all the real projections). Launches it and returns true, or returns false.
+bool launch_stream(Ctx& ctx, const QMatrix* Ws, int n, const QmvParams& p, size_t smem) {
+  const int bits = Ws[0].bits, cpl = p.chunks / 32, rpu = cpl >= 1 && cpl <= 4 ? 4 / cpl : 0;
+  bool takes = p.chunks % 32 == 0 && rpu > 0 && (cpl == 1 || cpl == 2 || (cpl == 4 && bits == 8));
+  for (int i = 0; i < n; ++i) takes = takes && Ws[i].N % rpu == 0;
+  if (!takes) return false;
+  const int blocks = int(std::min<int64_t>(int64_t(kStreamBlocksPerSm) * ctx.num_sms,
+                                           cdiv(p.rows / rpu, kStreamWarps)));
+  dispatch_bits(bits, [&](auto bits_c) {
+    constexpr int BITS = decltype(bits_c)::value;
+    auto go = [&](auto cpl_c) {
+      auto kernel = qmv_stream_kernel<BITS, decltype(cpl_c)::value>;
+      if (smem > 48 * 1024)
+        LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      launch(ctx, kernel, blocks, kStreamWarps * 32, smem, p);
+    };
+    if (cpl == 1)
+      go(std::integral_constant<int, 1>{});
+    else if (cpl == 2)
+      go(std::integral_constant<int, 2>{});
+    else if constexpr (BITS == 8)
+      go(std::integral_constant<int, 4>{});
+  });
+  check_launch("qmv_stream");
+  return true;
+}
+
+// Shared memory of T rows of staged fp32 x and their chunk sums.
+size_t stage_bytes(const QmvParams& p, int T) { return size_t(T) * p.K * 4 + size_t(T) * p.chunks * 4; }
+
 // T ≤ kQmvMaxT: qmv_kernel, or qmv_stream_kernel for one token.
 void qmv_simt(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
   const QMatrix& W = Ws[0];
   QmvParams p = qmv_params(Ws, n, x, ys, y_f32);
-  const size_t smem = size_t(T) * W.K * 4 + size_t(T) * p.chunks * 4;
+  const size_t smem = stage_bytes(p, T);
   LILY_CHECK(smem + red_bytes(T) <= ctx.smem_optin, "qmv: staging x for T=", T, ", K=", W.K, " needs ", smem,
              " bytes of shared memory, over the device's ", ctx.smem_optin);
+  if (T == 1 && ctx.opts.on(Opt::qmv_stream) && launch_stream(ctx, Ws, n, p, smem)) return;
 
   // Split K across warps while the grid is short of ~16 warps per SM and every lane keeps a whole chunk.
   int64_t row_warps = 0;
@@ -555,39 +644,10 @@ void qmv_simt(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* co
   while (p.split_log < 3 && (64 << p.split_log) <= p.chunks && (row_warps << p.split_log) < 16 * ctx.num_sms)
     ++p.split_log;
   int64_t grid = 0;
-  const int cpl = p.chunks / 32, rpu = cpl >= 1 && cpl <= 4 ? 4 / cpl : 0;
-  bool whole_units = p.chunks % 32 == 0 && rpu > 0;
   for (int i = 0; i < n; ++i) {
     p.seg[i].block0 = int(grid);
     grid += cdiv(Ws[i].N, (kWarps >> p.split_log) * kRows);
-    whole_units = whole_units && Ws[i].N % rpu == 0;
   }
-
-  // The streaming kernel: one token, whole 32-chunk lanes (CPL 1 or 2, and 4 at 8 bits: 4-bit rows of 4096 spill
-  // at CPL 4 and stay with qmv_kernel, which splits them over 4 warps), and every matrix in whole units of 4/CPL rows
-  // (all the real projections).
-  if (T == 1 && ctx.opts.on(Opt::qmv_stream) && whole_units && (cpl == 1 || cpl == 2 || (cpl == 4 && W.bits == 8))) {
-    const int blocks = int(std::min<int64_t>(int64_t(kStreamBlocksPerSm) * ctx.num_sms,
-                                             cdiv(p.rows / rpu, kStreamWarps)));
-    dispatch_bits(W.bits, [&](auto bits) {
-      constexpr int BITS = decltype(bits)::value;
-      auto go = [&](auto cpl_c) {
-        auto kernel = qmv_stream_kernel<BITS, decltype(cpl_c)::value>;
-        if (smem > 48 * 1024)
-          LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-        launch(ctx, kernel, blocks, kStreamWarps * 32, smem, p);
-      };
-      if (cpl == 1)
-        go(std::integral_constant<int, 1>{});
-      else if (cpl == 2)
-        go(std::integral_constant<int, 2>{});
-      else if constexpr (BITS == 8)
-        go(std::integral_constant<int, 4>{});
-    });
-    check_launch("qmv_stream");
-    return;
-  }
-
   dispatch_bits(W.bits, [&](auto bits) {
     launch_t<decltype(bits)::value>(ctx, p, T, int(grid), smem, std::make_integer_sequence<int, kQmvMaxT>{});
   });
@@ -611,6 +671,20 @@ void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* c
 
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) {
   qmv_multi(ctx, &W, 1, x, T, &y, y_f32);
+}
+
+bool qmv_norm(Ctx& ctx, const QMatrix* Ws, int n, const float* x, const float* w, float eps, void* const* ys,
+              bool y_f32) {
+  if (!ctx.opts.on(Opt::qmv_norm) || !ctx.opts.on(Opt::qmv_stream) || n > kMaxSegs) return false;
+  for (int i = 1; i < n; ++i)
+    if (Ws[i].K != Ws[0].K || Ws[i].bits != Ws[0].bits || Ws[i].group != Ws[0].group) return false;
+  if (Ws[0].K > kNormF4 * 4 * kStreamWarps * 32 || !w || reinterpret_cast<uintptr_t>(w) % 16) return false;
+  check_qmv(Ws, n, x, 1, kQmvMaxT, ys);  // backend/checks.h (x: the fp32 row the norm reads)
+  QmvParams p = qmv_params(Ws, n, nullptr, ys, y_f32);
+  p.xn = x, p.nw = w, p.eps = eps;
+  const size_t smem = stage_bytes(p, 1);
+  if (smem > ctx.smem_optin) return false;
+  return launch_stream(ctx, Ws, n, p, smem);
 }
 
 }  // namespace lily::cuda
