@@ -321,6 +321,18 @@ __device__ __forceinline__ void scan_dots(const float4 (&S)[kScanRpt][kM], const
   }
 }
 
+// One state row's lane part after a token: S_i ← g·S_i + δ_i·k̂ (kv: the lane's k̂ chunks, from scan_dots).
+template <int kM>
+__device__ __forceinline__ void state_step(float4 (&S)[kM], float g, float delta, const float4 (&kv)[kM]) {
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+    S[m].x = fmaf(S[m].x, g, delta * kv[m].x);
+    S[m].y = fmaf(S[m].y, g, delta * kv[m].y);
+    S[m].z = fmaf(S[m].z, g, delta * kv[m].z);
+    S[m].w = fmaf(S[m].w, g, delta * kv[m].w);
+  }
+}
+
 // Block = (value head h = block.x, state rows r0 = 32·block.y ..). Thread tid: rows r0 + lr + kScanRowStride·j
 // (lr = tid/8, j < kScanRpt), lane-in-row s = tid%8, columns 4·s + 32·m + {0..3}, m < DK/32: the k̂, q̂ values a
 // lane loads from shared memory serve kScanRpt rows. Rows ≥ DV compute on zeros and are never stored (the
@@ -388,13 +400,7 @@ __global__ void __launch_bounds__(kScanThreads) gdn_scan_kernel(const float* qk,
         const float v = bf16_bits_to_f(s_v[buf][tt][rl]);
         const float delta = gt.y * (v - g * ak[j]);  // δ = β·(v − (g·S)·k̂)
         const float out = g * aq[j] + delta * gt.z;  // y = (g·S + δ⊗k̂)·q̂
-#pragma unroll
-        for (int m = 0; m < kM; ++m) {  // S ← g·S + δ ⊗ k̂
-          S[j][m].x = fmaf(S[j][m].x, g, delta * kv[m].x);
-          S[j][m].y = fmaf(S[j][m].y, g, delta * kv[m].y);
-          S[j][m].z = fmaf(S[j][m].z, g, delta * kv[m].z);
-          S[j][m].w = fmaf(S[j][m].w, g, delta * kv[m].w);
-        }
+        state_step(S[j], g, delta, kv);  // S ← g·S + δ ⊗ k̂
         if (s == 0) s_y[tt][rl] = __bfloat16_as_ushort(__float2bfloat16(out));
       }
     }
@@ -558,13 +564,7 @@ __device__ __forceinline__ void gdn_token(const TokenArgs& p) {
     const int row = r0 + lr + kScanRowStride * j;
     const float delta = beta * (v[j] - g * ak[j]);  // δ = β·(v − (g·S)·k̂)
     out[j] = g * aq[j] + delta * kq;                // y = (g·S + δ⊗k̂)·q̂
-#pragma unroll
-    for (int m = 0; m < kM; ++m) {  // S ← g·S + δ ⊗ k̂
-      S[j][m].x = fmaf(S[j][m].x, g, delta * kv[m].x);
-      S[j][m].y = fmaf(S[j][m].y, g, delta * kv[m].y);
-      S[j][m].z = fmaf(S[j][m].z, g, delta * kv[m].z);
-      S[j][m].w = fmaf(S[j][m].w, g, delta * kv[m].w);
-    }
+    state_step(S[j], g, delta, kv);  // S ← g·S + δ ⊗ k̂
     if (row < DV) {
       if (!NORM && s == 0) p.y[size_t(h) * DV + row] = __float2bfloat16(out[j]);
       float4* dst = reinterpret_cast<float4*>(p.state + (size_t(h) * DV + row) * DK) + s;
