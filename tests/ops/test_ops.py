@@ -34,3 +34,21 @@ def test_op_matches_cpu(backend, case, switches):
     ref = _core.testing.run_op("cpu", case.op, params, inputs)
     got = _core.testing.run_op(backend, case.op, {**params, "disable": ALL_OFF if switches == "off" else ""}, inputs)
     check(case, ref, got, inputs)
+
+
+# One decode token's MoE (the gate+up kernel's own routing, switch route_fused): route_logits picks the top-k on the
+# logits instead of the probabilities. The softmax keeps their order, so the experts and weights, and with them the
+# output, are bit for bit those of the rounds over the probabilities (fresh random logits: no two round to one
+# probability).
+ROUTED = [c for c in SELECTED if c.op in ("moe", "moe_residual") and c.dims["T"] == 1]
+
+
+@pytest.mark.parametrize("case", ROUTED, ids=lambda c: c.id)
+def test_route_logits_picks_as_the_probabilities(backend, case):
+    if backend != "cuda":
+        pytest.skip("route_logits is a CUDA switch")
+    params, inputs = make(case, np.random.default_rng())
+    on = _core.testing.run_op(backend, case.op, {**params, "disable": ""}, inputs)
+    off = _core.testing.run_op(backend, case.op, {**params, "disable": "route_logits"}, inputs)
+    for name, v in on.items():
+        np.testing.assert_array_equal(v, off[name], err_msg=f"{case.id}/{name}")

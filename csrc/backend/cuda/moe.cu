@@ -35,7 +35,10 @@
 //          256 blocks of 9 warps; the ŵ/γ-weighted partials meet in shared memory, summed in slot order.
 //          Switch route_fused (decode): no routing kernel; every routed warp of moe_gate_up_kernel runs route_warp's
 //          top-k from the router logits up to its own slot (the same float operations, so every warp agrees), and
-//          block 0 of each token writes the routing and γ for moe_down_kernel.
+//          block 0 of each token writes the routing and γ for moe_down_kernel. Switch route_logits (with it): the warps
+//          pick on the logits (pick_round: a three-level tree per lane, no softmax before the picks; the probabilities
+//          only for block 0's weights, computed as route_warp computes them), the same experts and weights bit for bit
+//          but where two distinct logits round to one probability.
 //          Registers (sm_90, -O3): gate_up 128 (4-bit) / 125 (8-bit), down 96 / 80, route 32-48, others ≤ 32;
 //          no spills.
 // Checks   shapes of every matrix against MoeArgs; bits 4/8; K % group == 0; 1 ≤ top_k ≤ min(E, 32); E ≤ 256;
@@ -44,7 +47,7 @@
 //          group a multiple of the 32 (4-bit) / 16 (8-bit) codes of a 16-byte chunk, 16-byte aligned codes;
 //          otherwise the prefill path runs (any T).
 // Ref      cpu/moe.cpp · Test tests/ops/cases.py op="moe" · Bench benchmarks/bench_ops.py -o moe
-// History  v1 · v2 (current, 2026-12-01) moe_sort_scan_kernel (switch moe_sort_scan): 47.8 µs per layer at T = 4096
+// History  v1 · v2 (2026-12-01) moe_sort_scan_kernel (switch moe_sort_scan): 47.8 µs per layer at T = 4096
 //          instead of 98.8; the residual added in the last kernel (moe_residual); the shared expert's codes loaded
 //          before the PDL wait in the decode kernels. Tried and removed: router GEMV + softmax + top-k + shared gate
 //          in one kernel with a last-block-arrival tail (8.5 µs against 4.1 + 10.7, but −9.5 % decode end to end).
@@ -58,6 +61,11 @@
 //          before the PDL wait once a counter released by the routing warp says the ids are out (+0.7 %); gate+up and
 //          down as one kernel, down tiles handed out by a counter after the gate+up tiles (37.0 µs standalone against
 //          25.1 µs for the two kernels, decode −19.7 %).
+//          v5 (current, 2026-12-04) route_logits: decode +3.5 % / +3.3 % at 4K / 32K. A routed warp's top-k took ~1.9 µs
+//          before its first code load (one warp, clock64: logits 450 cycles, softmax 1,535, eight rounds 1,725); the
+//          picks need no softmax and take 1,417 cycles for eight rounds. Tried and removed (benchmarks/NOTES.md v15):
+//          the whole MoE of a token in one kernel of 18 clusters of 8 blocks (moe_cluster, weights bulk-copied into
+//          shared memory, h through distributed shared memory, a last-arrival sum): decode −17 %.
 #include <algorithm>
 
 #include "backend/checks.h"
@@ -119,6 +127,7 @@ struct DecodeArgs {
   QStack seg;
   int seg_bits, E;
   bool norm_topk;
+  bool pick_logits;  // switch route_logits: pick_expert / pick_route instead of route_warp
 };
 
 // ---- device helpers -----------------------------------------------------------------------------------------------
@@ -266,6 +275,75 @@ __device__ __forceinline__ int route_warp(float (&p)[kMaxExperts / 32], int E, i
     wts[lane] = norm_topk ? mine / topsum : mine;  // ŵ = P / Σ_topk P
   }
   return last;
+}
+
+// Switch route_logits: the same top-k picked on the logits ℓ, without the softmax first. exp and the division by one
+// sum keep the order of ℓ, so the picks are route_warp's (P desc, ties → lower id) except where two distinct logits
+// round to one probability: there the larger logit wins. Each round takes the lane's largest remaining key by a
+// three-level tree (the left operand always holds the lower index, so strict > keeps it on ties) instead of a chain
+// over the lane's candidates, then the warp's maximum by redux.sync and the lowest id holding it; the winner's key
+// becomes 0 (below every logit's: float_key(-inf) = 0x007fffff). Returns the id; best = its key.
+__device__ __forceinline__ int pick_round(unsigned (&u)[kMaxExperts / 32], unsigned& best) {
+  static_assert(kMaxExperts / 32 == 8, "pick_round: a tree over 8 candidates per lane");
+  const int lane = threadIdx.x & 31;
+  unsigned a0 = u[0], a1 = u[2], a2 = u[4], a3 = u[6];
+  int i0 = 0, i1 = 2, i2 = 4, i3 = 6;
+  if (u[1] > a0) a0 = u[1], i0 = 1;
+  if (u[3] > a1) a1 = u[3], i1 = 3;
+  if (u[5] > a2) a2 = u[5], i2 = 5;
+  if (u[7] > a3) a3 = u[7], i3 = 7;
+  if (a1 > a0) a0 = a1, i0 = i1;
+  if (a3 > a2) a2 = a3, i2 = i3;
+  if (a2 > a0) a0 = a2, i0 = i2;
+  best = __reduce_max_sync(0xffffffffu, a0);
+  const int id = __reduce_min_sync(0xffffffffu, a0 == best ? lane + 32 * i0 : 0x7fffffff);
+#pragma unroll
+  for (int i = 0; i < kMaxExperts / 32; ++i)
+    if (lane + 32 * i == id) u[i] = 0u;
+  return id;
+}
+
+// Switch route_logits: the expert of round rounds − 1 (slot rounds − 1), from a warp's p[] of ℓ (load_logits).
+__device__ __forceinline__ int pick_expert(const float (&p)[kMaxExperts / 32], int rounds) {
+  unsigned u[kMaxExperts / 32], best;
+#pragma unroll
+  for (int i = 0; i < kMaxExperts / 32; ++i) u[i] = float_key(p[i]);
+  int id = 0;
+  for (int j = 0; j < rounds; ++j) id = pick_round(u, best);
+  return id;
+}
+
+// Switch route_logits: route_warp's outputs (lane j < k writes ids[j], wts[j]) with the picks of pick_round; the
+// probabilities of the picked experts as route_warp computes them (the same max, sum and division), Σ_topk P added
+// in slot order.
+__device__ __forceinline__ void pick_route(const float (&p)[kMaxExperts / 32], int E, int k, bool norm_topk,
+                                           int32_t* ids, float* wts) {
+  const int lane = threadIdx.x & 31;
+  unsigned u[kMaxExperts / 32], best;
+#pragma unroll
+  for (int i = 0; i < kMaxExperts / 32; ++i) u[i] = float_key(p[i]);
+  float mx = 0.0f, mine = 0.0f;
+  int mine_id = 0;
+  for (int j = 0; j < k; ++j) {
+    const int id = pick_round(u, best);
+    const float l = key_float(best);
+    if (j == 0) mx = l;  // the first pick is the largest logit
+    if (lane == j) {
+      mine = l;
+      mine_id = id;
+    }
+  }
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kMaxExperts / 32; ++i) sum += lane + 32 * i < E ? expf(p[i] - mx) : 0.0f;
+  sum = warp_sum(sum);
+  const float P = expf(mine - mx) / sum;
+  float topsum = 0.0f;
+  for (int j = 0; j < k; ++j) topsum += __shfl_sync(0xffffffffu, P, j);
+  if (lane < k) {
+    ids[lane] = mine_id;
+    wts[lane] = norm_topk ? P / topsum : P;
+  }
 }
 
 // A warp's p[] of route_warp: lane l gets ℓ[l + 32·i] of the logits row lr, -inf past E.
@@ -519,6 +597,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 __device__ __forceinline__ int routed_expert(const DecodeArgs& a, int t, int j) {
   float p[kMaxExperts / 32];
   load_logits(a.logits + size_t(t) * a.E, a.E, p);
+  if (a.pick_logits) return pick_expert(p, j + 1);
   return route_warp<true>(p, a.E, a.k, false, nullptr, nullptr, j + 1);
 }
 
@@ -572,7 +651,10 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
     if (warp == 0) {
       float p[kMaxExperts / 32];
       load_logits(a.logits + size_t(t) * a.E, a.E, p);
-      route_warp<true>(p, a.E, a.k, a.norm_topk, a.ids + t * a.k, a.wts + t * a.k, a.k);
+      if (a.pick_logits)
+        pick_route(p, a.E, a.k, a.norm_topk, a.ids + t * a.k, a.wts + t * a.k);
+      else
+        route_warp<true>(p, a.E, a.k, a.norm_topk, a.ids + t * a.k, a.wts + t * a.k, a.k);
     } else {
       const bf16* mt = a.m + size_t(t) * a.H;
       const float gamma = a.seg_bits == 8 ? seg_gate_warp<8>(a.seg, mt, a.H) : seg_gate_warp<4>(a.seg, mt, a.H);
@@ -716,6 +798,7 @@ void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, 
   d.seg_bits = w.shared_expert_gate.bits;
   d.E = a.E;
   d.norm_topk = a.norm_topk_prob;
+  d.pick_logits = ctx.opts.on(Opt::route_logits);
   d.resid = resid;
   d.gate = stack_of(w.gate), d.up = stack_of(w.up), d.down = stack_of(w.down);
   d.sgate = stack_of(w.shared_gate), d.sup = stack_of(w.shared_up), d.sdown = stack_of(w.shared_down);
