@@ -22,7 +22,8 @@
 //          Decode (T ≤ kQmvMaxT), two dispatches. moe_gate_up_q{4,8}: threadgroup = (slot j ∈ k routed + shared,
 //          tile of 16 rows) × token, 4 simdgroups × 4 rows; the expert id comes from ids in device memory (switch
 //          route_fused: from the router logits, each routed simdgroup running the top-k up to its slot, and no
-//          moe_route dispatch: threadgroup 0 writes the routing and γ for moe_down; the CUDA switch's port); lane
+//          moe_route dispatch: threadgroup 0 writes the routing and γ for moe_down; the CUDA switch's port; with
+//          route_logits the picks on the logits, the softmax only for the picked weights: pick_expert, pick_write); lane
 //          owns blocks of 8 values c = 8·lane + 256·i of m, held in registers while it dots them with the gate
 //          and up rows; simd_sum, then h = silu(g)·u. moe_down_q{4,8}: threadgroup = 16 output rows × token,
 //          4 simdgroups × 4 rows; a simdgroup computes its rows completely: for each slot in order (routed, then
@@ -157,6 +158,82 @@ inline void route_write(device const float* lr, int E, int k, bool norm_topk, ui
   }
 }
 
+// Switch route_logits: the top-k picked on the logits ℓ instead of P = softmax(ℓ). The softmax keeps their order, so
+// the picks are route_simd's except where two distinct logits round to one probability (there the larger logit wins).
+// A round takes each lane's largest remaining key by a three-level tree (the left operand holds the lower index, so
+// strict > keeps it on a tie) instead of a chain over its candidates, then the simdgroup's maximum and the lowest id
+// holding it; the winner's key becomes 0, below every logit's (-inf's key is 0x007fffff). Returns the winner's id.
+inline uint logit_key(float f) {
+  const uint b = as_type<uint>(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+inline float key_logit(uint k) { return as_type<float>((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
+
+inline uint pick_round(thread uint* u, uint lane, thread uint& best) {
+  static_assert(MOE_MAX_EXPERTS / 32 == 8, "pick_round: a tree over 8 candidates per lane");
+  uint a0 = u[0], a1 = u[2], a2 = u[4], a3 = u[6];
+  uint i0 = 0u, i1 = 2u, i2 = 4u, i3 = 6u;
+  if (u[1] > a0) { a0 = u[1]; i0 = 1u; }
+  if (u[3] > a1) { a1 = u[3]; i1 = 3u; }
+  if (u[5] > a2) { a2 = u[5]; i2 = 5u; }
+  if (u[7] > a3) { a3 = u[7]; i3 = 7u; }
+  if (a1 > a0) { a0 = a1; i0 = i1; }
+  if (a3 > a2) { a2 = a3; i2 = i3; }
+  if (a2 > a0) { a0 = a2; i0 = i2; }
+  best = simd_max(a0);
+  const uint win = simd_min(a0 == best ? lane + 32u * i0 : 0xffffffffu);
+  for (int i = 0; i < 8; ++i)
+    if (lane + 32u * uint(i) == win) u[i] = 0u;
+  return win;
+}
+
+// Switch route_logits: the expert of round rounds − 1 (slot rounds − 1) of the logits lr[0, E).
+inline uint pick_expert(device const float* lr, int E, int rounds, uint lane) {
+  uint u[MOE_MAX_EXPERTS / 32];
+  for (int i = 0; i < MOE_MAX_EXPERTS / 32; ++i) {
+    const int e = int(lane) + 32 * i;
+    u[i] = logit_key(e < E ? lr[e] : -INFINITY);
+  }
+  uint best, win = 0u;
+  for (int j = 0; j < rounds; ++j) win = pick_round(u, lane, best);
+  return win;
+}
+
+// Switch route_logits: route_write's outputs from pick_round's picks; the picked experts' P computed as route_simd
+// computes it (the same max, sum and division), Σ_topk P added in slot order.
+inline void pick_write(device const float* lr, int E, int k, bool norm_topk, uint lane, device int* ids,
+                       device float* wts) {
+  constexpr int kPer = MOE_MAX_EXPERTS / 32;
+  float l[kPer];
+  uint u[kPer];
+  for (int i = 0; i < kPer; ++i) {
+    const int e = int(lane) + 32 * i;
+    l[i] = e < E ? lr[e] : -INFINITY;
+    u[i] = logit_key(l[i]);
+  }
+  float mx = 0.0f, mine = 0.0f;
+  uint mine_id = 0u, best;
+  for (int j = 0; j < k; ++j) {
+    const uint win = pick_round(u, lane, best);
+    const float v = key_logit(best);
+    if (j == 0) mx = v;  // the first pick is the largest logit
+    if (int(lane) == j) {
+      mine = v;
+      mine_id = win;
+    }
+  }
+  float sum = 0.0f;
+  for (int i = 0; i < kPer; ++i) sum += int(lane) + 32 * i < E ? exp(l[i] - mx) : 0.0f;
+  sum = simd_sum(sum);
+  const float P = exp(mine - mx) / sum;
+  float topsum = 0.0f;
+  for (int j = 0; j < k; ++j) topsum += simd_shuffle(P, ushort(j));
+  if (int(lane) < k) {
+    ids[int(lane)] = int(mine_id);
+    wts[int(lane)] = norm_topk ? P / topsum : P;
+  }
+}
+
 // Simdgroup-wide: γ = σ(mr·w_seg); lane owns the blocks of 8 values c = 8·lane + 256·i.
 template <int SEG_BITS>
 inline float seg_gate(device const ushort* mr, int H, device const uint* seg_w, device const ushort* seg_s,
@@ -201,7 +278,8 @@ template <int SEG_BITS>
 // A row past N is read clamped and not stored.
 // Switch route_fused (a.route_fused): no moe_route dispatch before this one; a routed simdgroup finds ids[t, j] from
 // the router logits (route_simd up to round j: the same operations, so every simdgroup agrees), and threadgroup 0 of
-// token t writes the token's routing (simdgroup 0: ids, ŵ) and γ (simdgroup 1) for moe_down.
+// token t writes the token's routing (simdgroup 0: ids, ŵ) and γ (simdgroup 1) for moe_down. Switch route_logits
+// (a.pick_logits, with it): pick_expert and pick_write instead, the same picks on the logits without the softmax.
 template <int BITS>
 [[kernel]] void moe_gate_up(
     constant MoeDecodeArgs& a [[buffer(0)]],
@@ -237,7 +315,9 @@ template <int BITS>
   if (n0 >= N) return;  // the whole simdgroup; no threadgroup barrier in this kernel
   if (a.route_fused && tg.x == 0 && sg < 2) {  // the token's routing and γ, for moe_down
     device const ushort* mt = m + t * a.H;
-    if (sg == 0)
+    if (sg == 0 && a.pick_logits)
+      pick_write(logits + t * a.E, a.E, a.k, a.norm_topk != 0, lane, ids + t * a.k, wts + t * a.k);
+    else if (sg == 0)
       route_write(logits + t * a.E, a.E, a.k, a.norm_topk != 0, lane, ids + t * a.k, wts + t * a.k);
     else {
       const float g = a.seg_bits == 8 ? seg_gate<8>(mt, a.H, seg_w, seg_s, seg_b, a.seg_group, lane)
@@ -246,7 +326,9 @@ template <int BITS>
     }
   }
   uint e = 0u;
-  if (!shared && a.route_fused) {
+  if (!shared && a.route_fused && a.pick_logits) {
+    e = pick_expert(logits + t * a.E, a.E, j + 1, lane);
+  } else if (!shared && a.route_fused) {
     float mine, topsum;
     uint mine_id;
     e = route_simd(logits + t * a.E, a.E, j + 1, lane, mine, mine_id, topsum);

@@ -31,6 +31,7 @@ struct MoeDecodeArgs {
   int tiles;       // gate_up: threadgroups per slot (of 16 rows each)
   int gate_group, up_group, sgate_group, sup_group, down_group, sdown_group;
   int route_fused;  // switch route_fused: moe_gate_up routes from the logits (and writes ids, ŵ, γ for moe_down)
+  int pick_logits;  // switch route_logits (with route_fused): its top-k picked on the logits (pick_expert, pick_write)
   int E, norm_topk, seg_bits, seg_group;  // the routing's, when route_fused
 };
 

@@ -56,8 +56,8 @@ const std::vector<OptInfo>& optimisation_table() {
        "decode: a token's Gated DeltaNet conv done by the one-token scan kernel too, each thread convolving the "
        "channels it reads, the two value heads of a key head run as a cluster of two blocks that share its state, "
        "instead of a conv kernel before it (only with gdn_norm_fused on)"},
-      {Opt::route_logits, "route_logits", "cuda",
-       "decode MoE (with route_fused): each routed warp picks the top-k on the router logits, which the softmax keeps "
+      {Opt::route_logits, "route_logits", "cuda,metal",
+       "decode MoE (with route_fused): each routed warp / simdgroup picks the top-k on the router logits, which the softmax keeps "
        "in order, by a three-level tree over its lane's candidates, and only the weights take the softmax, instead of "
        "the softmax of every logit before rounds that scan each lane's candidates in a chain"},
   };

@@ -58,9 +58,9 @@ enum class Opt : int {
   gdn_conv_fused,    // CUDA: a decode token's causal conv done by the one-token scan kernel too (with gdn_norm_fused),
                      //   the two value heads of a key head a cluster of two blocks, instead of a conv kernel before
                      //   it. Metal: not ported
-  route_logits,      // CUDA: the decode MoE routing inside the gate+up kernel (route_fused) picks the top-k on the router
-                     //   logits (softmax is monotonic) by a tree per lane, the softmax only for the picked weights,
-                     //   instead of rounds over the probabilities. Metal: not ported
+  route_logits,      // CUDA, Metal: the decode MoE routing inside the gate+up kernel (route_fused) picks the top-k on the
+                     //   router logits (softmax is monotonic) by a tree per lane, the softmax only for the picked
+                     //   weights, instead of rounds over the probabilities
   kCount
 };
 

@@ -80,3 +80,21 @@ def test_every_kernel_runs_in_an_op_case(core):
     missing = set(core.testing.metal_kernels()) - DISPATCHED - set(ELSEWHERE)
     assert not missing, f"kernels no op case dispatches: {sorted(missing)}; add cases to tests/ops/cases.py"
     assert not set(ELSEWHERE) & DISPATCHED, "ELSEWHERE lists a kernel the op cases reach"
+
+
+# One decode token's MoE with the routing inside moe_gate_up (route_fused): route_logits picks the top-k on the logits
+# instead of the probabilities, which the softmax keeps in order, so the output is bit for bit the switch-off one
+# (fresh random logits: no two round to one probability).
+ROUTED = [c for c in CASES if c.op in ("moe", "moe_residual") and c.dims["T"] <= 8 and "slow" not in c.tags]
+
+
+@pytest.mark.parametrize("case", ROUTED, ids=[c.id for c in ROUTED])
+def test_route_logits_picks_as_the_probabilities(core, monkeypatch, case):
+    seed = secrets.randbits(63)
+    print(f"rng seed and LILY_METAL_SEED: {seed}")
+    monkeypatch.setenv("LILY_METAL_SEED", str(seed))
+    params, inputs = make(case, np.random.default_rng(seed))
+    on = core.testing.run_op("metal", case.op, {**params, "disable": ""}, inputs)
+    off = core.testing.run_op("metal", case.op, {**params, "disable": "route_logits"}, inputs)
+    for name, v in on.items():
+        np.testing.assert_array_equal(v, off[name], err_msg=f"{case.id}/{name}")

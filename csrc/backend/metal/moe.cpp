@@ -1,6 +1,7 @@
 // moe.cpp: the launcher of the MoE block (metal/moe.metal gives the math, mapping and costs; its GEMMs are qmm and
 // moe_gemm of qmm.cpp). Router logits by qmm, then moe_route; T ≤ kQmvMaxT runs the two fused decode kernels (with
-// the switch route_fused the routing is moe_gate_up's own, and there is no moe_route dispatch),
+// the switch route_fused the routing is moe_gate_up's own, and there is no moe_route dispatch; route_logits makes its
+// picks on the logits),
 // larger T the prefill path: GPU-resident sort (moe_sort_scan with the switch moe_sort_scan, else moe_hist, moe_scan,
 // moe_scatter), moe_gemm gate+up and down, the shared expert by qmm, and moe_combine. Scratch layouts and the checks
 // the CUDA launcher shares come from backend/scratch.h and backend/checks.h. Nothing waits for the device.
@@ -42,11 +43,13 @@ bool decode_fits(const MoeArgs& a, const MoeWeights& w) {
          w.shared_down.bits == db;
 }
 
-// logits: the router's, for the routing inside moe_gate_up (switch route_fused), or null after moe_route.
+// logits: the router's, for the routing inside moe_gate_up (switch route_fused), or null after moe_route; pick_logits:
+// switch route_logits, that routing's picks on the logits.
 void moe_decode(Encoder& enc, const MoeArgs& a, const MoeWeights& w, const uint16_t* m, const Route& r,
-                const float* logits, uint16_t* out) {
+                const float* logits, bool pick_logits, uint16_t* out) {
   MoeDecodeArgs d{};
   d.route_fused = logits ? 1 : 0;
+  d.pick_logits = logits && pick_logits ? 1 : 0;
   d.E = a.E, d.norm_topk = a.norm_topk_prob ? 1 : 0;
   d.seg_bits = w.shared_expert_gate.bits, d.seg_group = w.shared_expert_gate.group;
   d.T = a.T, d.H = a.H, d.k = a.top_k, d.I = a.I, d.IS = a.IS, d.hs = std::max(a.I, a.IS);
@@ -192,7 +195,7 @@ void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWei
   qmm(enc, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
   const bool decode = decode_fits(a, w);
   if (decode && opts.on(Opt::route_fused)) {  // the routing runs inside moe_gate_up
-    moe_decode(enc, a, w, m, r, logits, out);
+    moe_decode(enc, a, w, m, r, logits, opts.on(Opt::route_logits), out);
     return;
   }
   const MoeRouteArgs ra{a.T, a.E, a.top_k, a.H, w.shared_expert_gate.group, a.norm_topk_prob ? 1 : 0};
@@ -207,7 +210,7 @@ void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWei
   enc.dispatch({cdiv(a.T, MOE_ROUTE_TOKENS), 1, 1}, {MOE_ROUTE_TOKENS * 32, 1, 1});
 
   if (decode)
-    moe_decode(enc, a, w, m, r, nullptr, out);
+    moe_decode(enc, a, w, m, r, nullptr, false, out);
   else
     moe_prefill(enc, opts, a, w, m, r, out);
 }
