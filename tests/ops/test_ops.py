@@ -40,15 +40,17 @@ def test_op_matches_cpu(backend, case, switches):
 # logits instead of the probabilities. The softmax keeps their order, so the experts and weights, and with them the
 # output, are bit for bit those of the rounds over the probabilities (fresh random logits: no two round to one
 # probability).
+# (Metal: tests/metal/test_metal_ops.py, on the CPU harness.)
 ROUTED = [c for c in SELECTED if c.op in ("moe", "moe_residual") and c.dims["T"] == 1]
+CUDA = next((b for b in lily.backends() if b.name == "cuda"), None)
 
 
+@pytest.mark.skipif(CUDA is None or not CUDA.usable,
+                    reason=f"the CUDA backend cannot run here: {CUDA.reason if CUDA else 'not compiled in'}")
 @pytest.mark.parametrize("case", ROUTED, ids=lambda c: c.id)
-def test_route_logits_picks_as_the_probabilities(backend, case):
-    if backend != "cuda":
-        pytest.skip("route_logits is a CUDA switch")
+def test_route_logits_picks_as_the_probabilities(case):
     params, inputs = make(case, np.random.default_rng())
-    on = _core.testing.run_op(backend, case.op, {**params, "disable": ""}, inputs)
-    off = _core.testing.run_op(backend, case.op, {**params, "disable": "route_logits"}, inputs)
+    on = _core.testing.run_op("cuda", case.op, {**params, "disable": ""}, inputs)
+    off = _core.testing.run_op("cuda", case.op, {**params, "disable": "route_logits"}, inputs)
     for name, v in on.items():
         np.testing.assert_array_equal(v, off[name], err_msg=f"{case.id}/{name}")
