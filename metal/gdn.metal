@@ -1,7 +1,9 @@
 // metal/gdn.metal
 // gdn_conv, gdn_scan_dk{32,64,128}, gdn_norm: Gated DeltaNet's causal conv, delta-rule recurrence and gated RMSNorm
 // (architecture.md §5.2–§5.8); gdn_chunk_prep_dk*, gdn_wy_dk*, gdn_chunk_scan_dk*: the recurrence in chunks of 64
-// tokens for prefill (switch gdn_chunked; backend/policy.h decides when it runs: T ≥ 16 and the shapes it takes).
+// tokens for prefill (switch gdn_chunked; backend/policy.h decides when it runs: T ≥ 16 and the shapes it takes);
+// gdn_token_dk*, gdn_conv_token_dk*: a decode token's scan and gated norm (and conv) in one dispatch (switches
+// gdn_prep_fused, gdn_norm_fused, gdn_conv_fused; backend/policy.h: gdn_token_path).
 //
 // Math     conv:  C[t, c] = silu(Σ_{k<K} w[c, k] · U[t + k, c]),  U = [state (K−1 rows); x];
 //                 state ← last K−1 rows of U
@@ -21,6 +23,7 @@
 //            conv  x 16 KB + w 128 KB + state 48 KB read + 48 KB written + out 16 KB = 0.26 MB → 0.6 µs
 //            scan  state 2.1 MB read + 2.1 MB written + c 16 KB + y 8 KB = 4.2 MB → 10.5 µs
 //            norm  y, z, out 8 KB each
+//            one dispatch (gdn_conv_token): the state's 4.2 MB + the conv's 0.26 MB; c's and y's round trips gone
 //          prefill T=4096: conv 64 MB in + 64 MB out = 128 MB → 0.32 ms;  scan c 64 MB + y 32 MB + state 4 MB
 //          (q, k re-read by each of the 16 threadgroups of a key head, from the cache) → 0.25 ms;  norm 96 MB →
 //          0.24 ms.  Floors on an M3 Max at 400 GB/s.
@@ -45,6 +48,9 @@
 //            one coalesced row block per token, after a second barrier.
 //            Real model: 32 heads × 8 row blocks = 256 threadgroups of 128 threads.
 //          norm: one simdgroup per (token, value head), values lane + 32·m per lane.
+//          one token (gdn_token, gdn_conv_token): threadgroup = value head (or key head with its NV/NK value heads,
+//            with the conv), 8 state rows per simdgroup; see "one decode token" below. Real model: 32 threadgroups of
+//            512 threads, or 16 of 1024 with the conv.
 //          chunked scan, three dispatches: gdn_chunk_prep, one simdgroup per (token, key head); gdn_wy, threadgroup
 //            = (chunk, value head), 8 simdgroups: the K̂K̂ᵀ / Q̂K̂ᵀ row tiles on simdgroup matrices, then one thread
 //            per column of the triangular solve; gdn_chunk_scan, threadgroup = (value head, 32 state rows), 4
@@ -54,12 +60,15 @@
 //            threadgroups of 256. Threadgroup memory: wy 17.9 KB, chunk scan 13.3 KB.
 // Checks   conv: C % 4 == 0, 1 ≤ K ≤ 9, x/out/state 8-byte aligned.  scan: DK ∈ {32, 64, 128}, DV % 16 == 0,
 //          NV % NK == 0; chunked also DV % 32 == 0, DV + DK ≤ 256 (else token by token), Tp·C < 2^31.
-//          norm: DV ≤ 256.
+//          norm: DV ≤ 256.  one token: DV % 8 == 0, DV ≤ 256 (with the conv NV/NK·DV ≤ 256, else the conv apart).
 // Ref      cpu/gdn.cpp (conv, scan), cpu/norm.cpp (gdn_norm) · Test tests/metal/test_metal_ops.py
 // History  v1 (this): scan structure of cuda/gdn.cu with the normalisation fused into the scan kernel (no scratch,
 //          one dispatch); not yet timed on Apple hardware.  v1 + chunked prefill (port of cuda/gdn.cu's gdn_chunked,
 //          which measured +9.6 % prefill at 4K on the H200; simdgroup matrices in fp32 where CUDA uses tf32 mma):
-//          not yet timed on Apple hardware.
+//          not yet timed on Apple hardware.  v1 + one decode token in one dispatch (port of cuda/gdn.cu's
+//          gdn_prep_fused, gdn_norm_fused and gdn_conv_fused, +3.0, +2.2 and +1.7 % decode on the H200; the conv's
+//          shared state by one threadgroup per key head where CUDA uses a cluster of two blocks): not yet timed on
+//          Apple hardware.
 #include "common.h"
 #include "gdn_args.h"
 
@@ -524,6 +533,133 @@ template <int DK>
   }
 }
 
+// ---- one decode token: the layer in one dispatch (switches gdn_prep_fused, gdn_norm_fused, gdn_conv_fused) --------
+// backend/policy.h (gdn_token_path) decides when it runs: T = 1 with gdn_prep_fused and gdn_norm_fused on. The scan of
+// gdn_scan_heads for one token, then the gated norm of gdn_norm, in one threadgroup per head (gdn_token_dk*: the
+// conv before it is gdn_conv's dispatch) or, with CONV (gdn_conv_fused), per key head with its R = NV/NK value heads
+// (gdn_conv_token_dk*: the conv done here). Per key head, because both value heads read the q/k channels' conv state
+// and one of them must write it: within one threadgroup each channel has one thread, which reads its old rows and
+// writes the new ones, so no other threadgroup waits (Metal promises no forward progress between threadgroups, so the
+// cluster barrier CUDA uses has no counterpart).
+// Mapping: simdgroup = kGdnTokRowsPerSg state rows of one head (lane holds columns lane + 32·m, as gdn_scan_heads),
+// R·DV or DV rows per threadgroup ≤ kGdnTokMaxRows (≤ 1024 threads). (1) Threads i < 2·DK stage q_i and k_i of the key
+// head in threadgroup memory: the conv output (CONV: computed from x, the taps and the old state rows, the new rows
+// written at once) or c. Lanes j < kGdnTokRowsPerSg load v (CONV: convolve it), z and the norm weight of row j.
+// (2) After a barrier every simdgroup normalises q and k itself (simd_sum over its lanes' DK/32 values), computes its
+// head's gates and runs the one-token recurrence on its rows. (3) Σy² (y rounded to bf16, as gdn_norm reads it) per
+// simdgroup in threadgroup memory; after a second barrier each simdgroup adds its head's partials in order and lanes
+// j < kGdnTokRowsPerSg write o = y / sqrt(mean(y²) + eps) · w · silu(z).
+// Traffic: the scan's (state 2·NV·DV·DK·4 B) plus, with CONV, the conv's 0.26 MB; c (16 KB) and y's round trip (two 8 KB
+// writes and reads) are gone. Real model: 32 threadgroups of 512 threads, or 16 of 1024 with CONV.
+
+// One channel of a decode token's conv (gdn_conv's sum for T = 1): U = [state rows 0..K−2; x], returns
+// bf16(silu(Σ_k w[ch, k]·U[k])) as gdn_conv stores it, and shifts the channel's state: row r ← U[r + 1].
+inline float conv_token(device const ushort* x, device const float* w, device ushort* conv_state, int ch, int C,
+                        int K) {
+  ushort u[kGdnConvMaxK];
+  for (int k = 0; k < kGdnConvMaxK; ++k)
+    if (k < K) u[k] = k < K - 1 ? conv_state[k * C + ch] : x[ch];
+  float acc = 0.0f;
+  for (int k = 0; k < kGdnConvMaxK; ++k)
+    if (k < K) acc += w[ch * K + k] * bf16_to_float(u[k]);
+  for (int r = 0; r < kGdnConvMaxK - 1; ++r)
+    if (r < K - 1) conv_state[r * C + ch] = u[r + 1];
+  return bf16_to_float(float_to_bf16(silu_f(acc)));
+}
+
+template <int DK, bool CONV>
+[[kernel, max_total_threads_per_threadgroup(1024)]] void gdn_token(constant GdnKernelArgs& args [[buffer(0)]],
+                                                                    device const ushort* in [[buffer(1)]],
+                                                                    device const float* conv_w [[buffer(2)]],
+                                                                    device ushort* conv_state [[buffer(3)]],
+                                                                    device const ushort* b [[buffer(4)]],
+                                                                    device const ushort* alpha [[buffer(5)]],
+                                                                    device const float* A_log [[buffer(6)]],
+                                                                    device const float* dt_bias [[buffer(7)]],
+                                                                    device float* state [[buffer(8)]],
+                                                                    device const ushort* z [[buffer(9)]],
+                                                                    device const float* norm_w [[buffer(10)]],
+                                                                    device ushort* out [[buffer(11)]],
+                                                                    uint3 tg [[threadgroup_position_in_grid]],
+                                                                    uint tid [[thread_index_in_threadgroup]],
+                                                                    uint sg [[simdgroup_index_in_threadgroup]],
+                                                                    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int kPer = DK / 32, kRows = kGdnTokRowsPerSg;
+  threadgroup float s_qk[2 * kGdnScanMaxDK];                // q then k of the key head, before the norms
+  threadgroup float s_ss[kGdnTokMaxRows / kGdnTokRowsPerSg];  // Σy² of each simdgroup's rows
+
+  const int NK = args.NK, NV = args.NV, DV = args.DV, C = args.C, R = NV / NK;
+  const int per_head = DV / kRows;  // simdgroups per head
+  const int threads = 32 * (CONV ? R : 1) * per_head;
+  const int h = CONV ? int(tg.x) * R + int(sg) / per_head : int(tg.x);
+  const int kh = h / R, first = int(sg) - int(sg) % per_head;  // key head; the head's first simdgroup
+  const int row0 = (int(sg) % per_head) * kRows;                // this simdgroup's first row of head h
+
+  // (1) The stage, and this simdgroup's state rows, row values and gates.
+  for (int i = int(tid); i < 2 * DK; i += threads) {
+    const int ch = (i < DK ? kh * DK : (NK + kh) * DK - DK) + i;
+    s_qk[i] = CONV ? conv_token(in, conv_w, conv_state, ch, C, args.K) : bf16_to_float(in[ch]);
+  }
+  float vl = 0.0f, zl = 0.0f, wl = 0.0f;  // lane j < kRows: row row0 + j's v, z and norm weight
+  if (int(lane) < kRows) {
+    const int row = row0 + int(lane), ch = 2 * NK * DK + h * DV + row;
+    vl = CONV ? conv_token(in, conv_w, conv_state, ch, C, args.K) : bf16_to_float(in[ch]);
+    zl = bf16_to_float(z[h * DV + row]);
+    wl = norm_w[row];
+  }
+  float S[kRows][kPer];
+  for (int r = 0; r < kRows; ++r)
+    for (int m = 0; m < kPer; ++m) S[r][m] = state[(h * DV + row0 + r) * DK + int(lane) + 32 * m];
+  const float beta = sigmoid_f(bf16_to_float(b[h]));  // β = σ(b)
+  const float a = bf16_to_float(alpha[h]) + dt_bias[h];
+  const float softplus = max(a, 0.0f) + log(1.0f + exp(-fabs(a)));
+  const float g = exp(-exp(A_log[h]) * softplus);  // g = exp(−exp(A_log)·softplus(α + dt_bias))
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // (2) q̂, k̂ and the recurrence on this simdgroup's rows.
+  float q[kPer], k[kPer], sq = 0.0f, sk = 0.0f;
+  for (int m = 0; m < kPer; ++m) {
+    q[m] = s_qk[int(lane) + 32 * m];
+    k[m] = s_qk[DK + int(lane) + 32 * m];
+    sq += q[m] * q[m];
+    sk += k[m] * k[m];
+  }
+  const float rq = (1.0f / sqrt(float(DK))) / sqrt(simd_sum(sq) + 1e-6f);  // q̂ = q / sqrt(Σq² + 1e-6) / sqrt(DK)
+  const float rk = 1.0f / sqrt(simd_sum(sk) + 1e-6f);                      // k̂ = k / sqrt(Σk² + 1e-6)
+  float kq = 0.0f;
+  for (int m = 0; m < kPer; ++m) {
+    q[m] *= rq;
+    k[m] *= rk;
+    kq += k[m] * q[m];
+  }
+  kq = simd_sum(kq);
+  float yl = 0.0f, ss = 0.0f;  // lane j < kRows: bf16(y) of row row0 + j; Σy² of the simdgroup's rows
+  for (int r = 0; r < kRows; ++r) {
+    float ak = 0.0f, aq = 0.0f;
+    for (int m = 0; m < kPer; ++m) {
+      ak += S[r][m] * k[m];  // S_i·k̂ (old S)
+      aq += S[r][m] * q[m];  // S_i·q̂ (old S)
+    }
+    ak = simd_sum(ak);
+    aq = simd_sum(aq);
+    const float delta = beta * (simd_shuffle(vl, ushort(r)) - g * ak);  // δ = β·(v − (g·S)·k̂)
+    for (int m = 0; m < kPer; ++m) S[r][m] = fma(S[r][m], g, delta * k[m]);  // S ← g·S + δ ⊗ k̂
+    const float y = bf16_to_float(float_to_bf16(g * aq + delta * kq));  // y = (g·S + δ⊗k̂)·q̂, as gdn_norm reads it
+    ss += y * y;
+    if (int(lane) == r) yl = y;
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int m = 0; m < kPer; ++m) state[(h * DV + row0 + r) * DK + int(lane) + 32 * m] = S[r][m];
+
+  // (3) The gated norm over the head's DV rows.
+  if (lane == 0) s_ss[sg] = ss;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float tot = 0.0f;
+  for (int i = 0; i < per_head; ++i) tot += s_ss[first + i];
+  const float rs = 1.0f / sqrt(tot / float(DV) + args.eps);  // 1 / sqrt(mean(y²) + eps)
+  if (int(lane) < kRows) out[h * DV + row0 + int(lane)] = float_to_bf16(yl * rs * wl * silu_f(zl));
+}
+
 // ---- instantiations (host names used by csrc/backend/metal/gdn.cpp) -------------------------------------------------
 
 template [[host_name("gdn_scan_dk32")]] [[kernel]] decltype(gdn_scan_heads<32>) gdn_scan_heads<32>;
@@ -538,3 +674,9 @@ template [[host_name("gdn_wy_dk128")]] [[kernel]] decltype(gdn_wy<128>) gdn_wy<1
 template [[host_name("gdn_chunk_scan_dk32")]] [[kernel]] decltype(gdn_chunk_scan<32>) gdn_chunk_scan<32>;
 template [[host_name("gdn_chunk_scan_dk64")]] [[kernel]] decltype(gdn_chunk_scan<64>) gdn_chunk_scan<64>;
 template [[host_name("gdn_chunk_scan_dk128")]] [[kernel]] decltype(gdn_chunk_scan<128>) gdn_chunk_scan<128>;
+template [[host_name("gdn_token_dk32")]] [[kernel]] decltype(gdn_token<32, false>) gdn_token<32, false>;
+template [[host_name("gdn_token_dk64")]] [[kernel]] decltype(gdn_token<64, false>) gdn_token<64, false>;
+template [[host_name("gdn_token_dk128")]] [[kernel]] decltype(gdn_token<128, false>) gdn_token<128, false>;
+template [[host_name("gdn_conv_token_dk32")]] [[kernel]] decltype(gdn_token<32, true>) gdn_token<32, true>;
+template [[host_name("gdn_conv_token_dk64")]] [[kernel]] decltype(gdn_token<64, true>) gdn_token<64, true>;
+template [[host_name("gdn_conv_token_dk128")]] [[kernel]] decltype(gdn_token<128, true>) gdn_token<128, true>;

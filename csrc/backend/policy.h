@@ -1,5 +1,6 @@
 // policy.h: the choices the GPU backends (cuda/, metal/) make the same way, in one place: which token selections run
-// on the device, and when the Gated DeltaNet scan takes its chunked form. A backend's kernels may take more than this
+// on the device, when the Gated DeltaNet scan takes its chunked form, and when a decode token's Gated DeltaNet layer
+// runs as one kernel. A backend's kernels may take more than this
 // (each launcher checks its own limits); these rules decide which path runs, so that both backends run the same one.
 #pragma once
 #include "backend/backend.h"
@@ -37,6 +38,20 @@ inline int gdn_chunks(int T) { return (T + kGdnChunk - 1) / kGdnChunk; }
 inline bool gdn_chunked(const GdnArgs& a, const Optimisations& o) {
   return o.on(Opt::gdn_chunked) && a.T >= kGdnChunkMinT && (a.DK == 32 || a.DK == 64 || a.DK == 128) &&
          a.DV % kGdnChunkRows == 0 && a.DV + a.DK <= kGdnChunkMaxCols;
+}
+
+// ---- a decode token's Gated DeltaNet layer in one kernel (switches gdn_prep_fused, gdn_norm_fused, gdn_conv_fused) --
+
+// What Backend::gdn_conv_scan_norm runs: the three ops apart (conv, scan, norm: the plain path), the conv and then one
+// kernel for the recurrence and the gated norm, or one kernel for all three.
+enum class GdnToken { apart, scan_norm, conv_scan_norm };
+
+// The rule of both GPU backends: one token (T = 1) with gdn_prep_fused and gdn_norm_fused on runs the one-token kernel
+// where the backend's kernel holds the shapes (`fits`), with the conv in it when gdn_conv_fused is on and the backend's
+// conv fold takes them (`conv_fits`). The limits are each backend's own (cuda/gdn.cu, metal/gdn.metal).
+inline GdnToken gdn_token_path(const GdnArgs& a, const Optimisations& o, bool fits, bool conv_fits) {
+  if (a.T != 1 || !o.on(Opt::gdn_prep_fused) || !o.on(Opt::gdn_norm_fused) || !fits) return GdnToken::apart;
+  return o.on(Opt::gdn_conv_fused) && conv_fits ? GdnToken::conv_scan_norm : GdnToken::scan_norm;
 }
 
 }  // namespace lily

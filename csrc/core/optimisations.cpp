@@ -43,19 +43,20 @@ const std::vector<OptInfo>& optimisation_table() {
        "decode MoE: the top-k routing done by the expert gate+up kernel itself from the router logits (each warp "
        "the rounds up to its slot; one block writes the routing and the shared gate for the down kernel), instead "
        "of a routing kernel between the router and the experts"},
-      {Opt::gdn_prep_fused, "gdn_prep_fused", "cuda",
+      {Opt::gdn_prep_fused, "gdn_prep_fused", "cuda,metal",
        "decode: a token's Gated DeltaNet recurrence in one kernel, each block normalising its head's q and k and "
-       "computing its gates itself, instead of a prep kernel that hands them on through scratch"},
+       "computing its gates itself, instead of a prep kernel that hands them on through scratch (Metal's scan "
+       "always did; there the switch takes the one-token kernels of the two below with it)"},
       {Opt::qmv_norm, "qmv_norm", "cuda",
        "decode: the RMSNorm before the input projections and the lm_head computed by the streaming GEMV as it stages "
        "its input, instead of a norm kernel before it"},
-      {Opt::gdn_norm_fused, "gdn_norm_fused", "cuda",
+      {Opt::gdn_norm_fused, "gdn_norm_fused", "cuda,metal",
        "decode: a token's Gated DeltaNet output norm (rms_norm(y)·w·silu(z) per head) done by the one-token scan "
-       "kernel, one block per head, instead of a norm kernel after it (only with gdn_prep_fused on)"},
-      {Opt::gdn_conv_fused, "gdn_conv_fused", "cuda",
-       "decode: a token's Gated DeltaNet conv done by the one-token scan kernel too, each thread convolving the "
-       "channels it reads, the two value heads of a key head run as a cluster of two blocks that share its state, "
-       "instead of a conv kernel before it (only with gdn_norm_fused on)"},
+       "kernel, one block / threadgroup per head, instead of a norm kernel after it (only with gdn_prep_fused on)"},
+      {Opt::gdn_conv_fused, "gdn_conv_fused", "cuda,metal",
+       "decode: a token's Gated DeltaNet conv done by the one-token scan kernel too, the value heads of a key head "
+       "sharing its q/k channels' state as a cluster of two blocks (CUDA) or one threadgroup (Metal), instead of a "
+       "conv kernel before it (only with gdn_norm_fused on)"},
       {Opt::route_logits, "route_logits", "cuda,metal",
        "decode MoE (with route_fused): each routed warp / simdgroup picks the top-k on the router logits, which the softmax keeps "
        "in order, by a three-level tree over its lane's candidates, and only the weights take the softmax, instead of "

@@ -49,15 +49,16 @@ enum class Opt : int {
                      //   kernel) instead of a routing kernel between the router and the experts
   gdn_prep_fused,    // CUDA: a decode token's Gated DeltaNet recurrence in one kernel, each block normalising its head's
                      //   q and k and computing its gates itself, instead of a prep kernel handing them on through
-                     //   scratch. Metal: not ported (benchmarks/NOTES.md, Metal)
+                     //   scratch. Metal: its scan always normalises in the kernel; the switch gates the one-token
+                     //   kernels below (backend/policy.h: gdn_token_path)
   qmv_norm,          // CUDA: the RMSNorm before the input projections and the lm_head computed by the streaming decode
                      //   GEMV while it stages x (rms_norm_qmm), instead of a norm kernel before it. Metal: not ported
-  gdn_norm_fused,    // CUDA: a decode token's gated RMSNorm (o = rms_norm(y)·w·silu(z) per head) done by the one-token
-                     //   scan kernel, one block per head, instead of a norm kernel after it (needs gdn_prep_fused).
-                     //   Metal: not ported
-  gdn_conv_fused,    // CUDA: a decode token's causal conv done by the one-token scan kernel too (with gdn_norm_fused),
-                     //   the two value heads of a key head a cluster of two blocks, instead of a conv kernel before
-                     //   it. Metal: not ported
+  gdn_norm_fused,    // CUDA, Metal: a decode token's gated RMSNorm (o = rms_norm(y)·w·silu(z) per head) done by the
+                     //   one-token scan kernel, one block / threadgroup per head, instead of a norm kernel after it
+                     //   (needs gdn_prep_fused)
+  gdn_conv_fused,    // CUDA, Metal: a decode token's causal conv done by the one-token scan kernel too (with
+                     //   gdn_norm_fused), instead of a conv kernel before it; the value heads of a key head share its
+                     //   q/k channels' state: a cluster of two blocks (CUDA), one threadgroup per key head (Metal)
   route_logits,      // CUDA, Metal: the decode MoE routing inside the gate+up kernel (route_fused) picks the top-k on the
                      //   router logits (softmax is monotonic) by a tree per lane, the softmax only for the picked
                      //   weights, instead of rounds over the probabilities

@@ -132,3 +132,8 @@ def test_limits(emu_build, x):
     assert r.returncode == 1 and "32800 bytes, over Apple's limit" in r.stderr, r.stderr
     r = run(emu_build, "correct_reverse", np.tile(x, 9), 1, 1088, 64)
     assert r.returncode == 1 and "Metal allows 1 to 1024" in r.stderr, r.stderr
+    # a kernel's own max_total_threads_per_threadgroup(64): 64 threads run, 128 are refused as Apple's pipeline would
+    np.testing.assert_allclose(values(run(emu_build, "thread_limit", x, 2, 64, 128)), 2 * x)
+    r = run(emu_build, "thread_limit", x, 1, 128, 128)
+    assert r.returncode == 1 and "declares max_total_threads_per_threadgroup(64) at " + \
+        line_of("thread_limit.metal", "void thread_limit") in r.stderr, r.stderr

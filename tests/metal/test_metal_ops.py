@@ -26,16 +26,21 @@ KERNELS_ON: dict[str, set[str]] = {}  # case id: the kernels its run with every 
 
 
 def _switched(case) -> bool:
-    """Whether a Metal switch changes this case's path: the chunked GDN prefill (gdn_chunked, T ≥ 16, policy.h), and
-    every MoE case: the one-threadgroup sort of the prefill path (moe_sort_scan) or, where the decode kernels take
+    """Whether a Metal switch changes this case's path: the chunked GDN prefill (gdn_chunked, T ≥ 16, policy.h), a
+    decode token's GDN layer in one kernel (gdn_prep_fused, gdn_norm_fused, gdn_conv_fused; policy.h: gdn_token_path),
+    and every MoE case: the one-threadgroup sort of the prefill path (moe_sort_scan) or, where the decode kernels take
     the case (T ≤ kQmvMaxT = 8), the routing inside moe_gate_up (route_fused). test_op_matches_cpu_switches_off fails
     if a case listed here dispatches the same kernels in both positions."""
     if case.op == "gdn_scan":
         return case.dims["T"] >= 16
+    if case.op == "gdn_conv_scan_norm":
+        return case.dims["T"] == 1
     return case.op in ("moe", "moe_residual")
 
 
 OFF_CASES = [c for c in CASES if _switched(c)]
+# A decode token's GDN layer with gdn_conv_fused alone off: the conv dispatch, then the scan and norm in one kernel.
+NOCONV_CASES = [c for c in CASES if c.op == "gdn_conv_scan_norm" and c.dims["T"] == 1]
 
 
 def _run(core, monkeypatch, case, thread_order, disable: str) -> set[str]:
@@ -70,11 +75,18 @@ def test_op_matches_cpu_switches_off(core, monkeypatch, case, thread_order):
     PASSED.add(f"{case.id}/off")
 
 
+@pytest.mark.parametrize("case", NOCONV_CASES, ids=[c.id for c in NOCONV_CASES])
+def test_op_matches_cpu_conv_apart(core, monkeypatch, case, thread_order):
+    kernels = _run(core, monkeypatch, case, thread_order, "gdn_conv_fused")
+    assert "gdn_conv" in kernels and not any(k.startswith("gdn_conv_token") for k in kernels), sorted(kernels)
+    PASSED.add(f"{case.id}/noconv")
+
+
 def test_every_kernel_runs_in_an_op_case(core):
     """Every kernel of metal/*.metal (each template instance: bits, tile rows, head dim, rows per GEMV, chunks per
     thread), of the optimised paths and of the plain paths their switches fall back to, is dispatched by some op case,
     so the thread orders and the ASan run cover all of them."""
-    cases = {c.id for c in CASES} | {f"{c.id}/off" for c in OFF_CASES}
+    cases = {c.id for c in CASES} | {f"{c.id}/off" for c in OFF_CASES} | {f"{c.id}/noconv" for c in NOCONV_CASES}
     if PASSED != cases:
         pytest.skip(f"needs every op case in this session ({len(PASSED)} of {len(cases)} ran and passed)")
     missing = set(core.testing.metal_kernels()) - DISPATCHED - set(ELSEWHERE)

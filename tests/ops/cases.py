@@ -356,16 +356,18 @@ CASES = [
     # the chunk scan over three row blocks (DV = 96) with a partial last chunk; and 16 chunks of the real shapes
     Case("gdn_scan", dict(T=150, NK=2, NV=4, DK=64, DV=96), tags=("edge",)),
     Case("gdn_scan", dict(T=1000, **_gdn_real), tags=("model",)),
-    # a decode token's conv, scan and gated norm (one kernel on CUDA: a block per head, a cluster per key head) at the
-    # real and odd shapes; a window of 3 and three value heads per key head (the conv apart, the scan and norm in one
-    # kernel); a prompt of 3 (the three ops apart)
+    # a decode token's conv, scan and gated norm (one kernel: on CUDA a block per head, a cluster per key head; on Metal
+    # a threadgroup per key head) at the real and odd shapes; a window of 3 and three value heads per key head (CUDA:
+    # the conv apart, the scan and norm in one kernel); DV = 144 (CUDA: the three apart; Metal: the conv apart, 288
+    # rows per key head being more than its one-token kernel holds); a prompt of 3 (the three ops apart)
     Case("gdn_conv_scan_norm", dict(T=1, **_gdn_real), tags=("model",)),
     *[Case("gdn_conv_scan_norm", dict(T=1, **d), tags=("edge",)) for d in (dict(NK=4, NV=8, DK=32, DV=64),
                                                                              dict(NK=2, NV=4, DK=64, DV=96),
                                                                              dict(NK=1, NV=2, DK=32, DV=48),
                                                                              dict(NK=2, NV=4, DK=64, DV=64,
                                                                                   conv_kernel=3),
-                                                                             dict(NK=1, NV=3, DK=32, DV=32))],
+                                                                             dict(NK=1, NV=3, DK=32, DV=32),
+                                                                             dict(NK=1, NV=2, DK=32, DV=144))],
     Case("gdn_conv_scan_norm", dict(T=3, NK=2, NV=4, DK=64, DV=32), tags=("edge",)),
     Case("gdn_norm", dict(T=1, **_gdn_real), tags=("model",)),
     Case("gdn_norm", dict(T=300, **_gdn_real), tags=("model",)),

@@ -1325,18 +1325,18 @@ void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf
 bool gdn_conv_scan_norm(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* conv_w, bf16* conv_state,
                         bf16* conv_out, const bf16* b, const bf16* alpha, const float* A_log, const float* dt_bias,
                         float* state, const bf16* z, const float* w, bf16* out) {
-  if (a.T != 1 || !ctx.opts.on(Opt::gdn_prep_fused) || !ctx.opts.on(Opt::gdn_norm_fused) || a.DV > 4 * kScanRows)
-    return false;
+  // One block per head holds DV ≤ 128 rows; the conv fold takes the real model's window with two value heads per key
+  // head (a cluster of two blocks) and 16-byte aligned taps.
+  const GdnToken path = gdn_token_path(a, ctx.opts, a.DV <= 4 * kScanRows,
+                                       a.conv_kernel == kTokenConvK && a.NV == 2 * a.NK && aligned(conv_w, 16));
+  if (path == GdnToken::apart) return false;
   check_gdn_heads(a, "gdn_conv_scan_norm");
   LILY_CHECK(a.DV % 8 == 0, "gdn_conv_scan_norm: DV = ", a.DV, " must be a multiple of 8");
   LILY_CHECK(aligned(state, 16), "gdn_conv_scan_norm: state must be 16-byte aligned");
   LILY_CHECK(z && w && out, "gdn_conv_scan_norm: null z, w or out");
   TokenArgs p = token_args(a, conv_out, b, alpha, A_log, dt_bias, state, out);
   p.z = z, p.nw = w;
-  // The conv too (switch gdn_conv_fused) where its window is the real model's and a key head has two value heads
-  // (the cluster of two blocks); else the conv kernel first.
-  const bool conv = ctx.opts.on(Opt::gdn_conv_fused) && a.conv_kernel == kTokenConvK && a.NV == 2 * a.NK &&
-                    aligned(conv_w, 16);
+  const bool conv = path == GdnToken::conv_scan_norm;  // else the conv kernel first
   if (conv) {
     p.c = nullptr, p.x = x, p.cw = conv_w, p.cst = conv_state;
   } else {

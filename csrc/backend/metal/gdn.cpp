@@ -2,7 +2,7 @@
 // file gives the math, mapping and costs). Each checks its preconditions (backend/checks.h, then its kernels' own),
 // binds the args struct and the buffers in the kernel's parameter order, and dispatches. gdn_scan runs the chunked
 // prefill when backend/policy.h's gdn_chunked says so (the rule the CUDA backend follows), else the token-by-token
-// scan.
+// scan; gdn_conv_scan_norm runs a decode token's layer in one dispatch when gdn_token_path says so.
 #include <algorithm>
 #include <cstdint>
 
@@ -133,6 +133,44 @@ void gdn_scan(Encoder& enc, const Optimisations& opts, const GdnArgs& a, const u
   enc.set_buffer(6, state);    // state
   enc.set_buffer(7, y);        // y
   enc.dispatch({uint32_t(a.NV), uint32_t(a.DV / kGdnScanRows), 1}, {uint32_t(kGdnScanThreads), 1, 1});
+}
+
+bool gdn_conv_scan_norm(Encoder& enc, const Optimisations& opts, const GdnArgs& a, const uint16_t* x,
+                        const float* conv_w, uint16_t* conv_state, uint16_t* conv_out, const uint16_t* b,
+                        const uint16_t* alpha, const float* A_log, const float* dt_bias, float* state,
+                        const uint16_t* z, const float* w, uint16_t* out) {
+  // The one-token kernel holds DV rows per threadgroup, or R·DV with the conv (kGdnTokMaxRows: 1024 threads).
+  const int R = a.NK > 0 ? a.NV / a.NK : 0;
+  const GdnToken path = gdn_token_path(a, opts, a.DV % kGdnTokRowsPerSg == 0 && a.DV <= kGdnTokMaxRows,
+                                       int64_t(R) * a.DV <= kGdnTokMaxRows);
+  if (path == GdnToken::apart) return false;
+  const GdnKernelArgs k = kernel_args(a, "gdn_conv_scan_norm");
+  LILY_CHECK(a.DK == 32 || a.DK == 64 || a.DK == 128, "gdn_conv_scan_norm: DK = ", a.DK,
+             " is not supported by the Metal backend (32, 64 or 128)");
+  LILY_CHECK(z && w && out, "gdn_conv_scan_norm: null z, w or out");
+  const bool conv = path == GdnToken::conv_scan_norm;
+  if (conv) {
+    check_gdn_conv(a, x, conv_state, out);
+  } else {
+    gdn_conv(enc, a, x, conv_w, conv_state, conv_out);
+  }
+  enc.kernel(conv ? by_dk(a.DK, "gdn_conv_token_dk32", "gdn_conv_token_dk64", "gdn_conv_token_dk128")
+                  : by_dk(a.DK, "gdn_token_dk32", "gdn_token_dk64", "gdn_token_dk128"));
+  enc.set_args(k);
+  enc.set_buffer(1, conv ? x : conv_out);  // in
+  enc.set_buffer(2, conv_w);               // conv_w
+  enc.set_buffer(3, conv_state);           // conv_state
+  enc.set_buffer(4, b);                    // b
+  enc.set_buffer(5, alpha);                // alpha
+  enc.set_buffer(6, A_log);                // A_log
+  enc.set_buffer(7, dt_bias);              // dt_bias
+  enc.set_buffer(8, state);                // state
+  enc.set_buffer(9, z);                    // z
+  enc.set_buffer(10, w);                   // norm_w
+  enc.set_buffer(11, out);                 // out
+  const int rows = (conv ? R : 1) * a.DV;
+  enc.dispatch({uint32_t(conv ? a.NK : a.NV), 1, 1}, {uint32_t(4 * rows), 1, 1});
+  return true;
 }
 
 void gdn_norm(Encoder& enc, const GdnArgs& a, const uint16_t* y, const uint16_t* z, const float* w, uint16_t* out) {

@@ -86,6 +86,13 @@ class MetalBackend final : public Backend {
   void gdn_norm(const GdnArgs& a, const void* y, const void* z, const float* w, void* out) override {
     metal::gdn_norm(enc(), a, ch(y), ch(z), w, h(out));
   }
+  void gdn_conv_scan_norm(const GdnArgs& a, const void* x, const float* conv_w, void* conv_state, void* conv_out,
+                          const void* b, const void* alpha, const float* A_log, const float* dt_bias, float* state,
+                          const void* z, const float* w, void* out) override {
+    if (!metal::gdn_conv_scan_norm(enc(), optimisations(), a, ch(x), conv_w, h(conv_state), h(conv_out), ch(b),
+                                   ch(alpha), A_log, dt_bias, state, ch(z), w, h(out)))
+      Backend::gdn_conv_scan_norm(a, x, conv_w, conv_state, conv_out, b, alpha, A_log, dt_bias, state, z, w, out);
+  }
   void moe(const MoeArgs& a, const MoeWeights& w, const void* m, void* out) override {
     metal::moe(enc(), optimisations(), a, w, ch(m), h(out));
   }

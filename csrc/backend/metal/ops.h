@@ -39,6 +39,12 @@ void gdn_conv(Encoder& enc, const GdnArgs& a, const uint16_t* x, const float* w,
 void gdn_scan(Encoder& enc, const Optimisations& opts, const GdnArgs& a, const uint16_t* c, const uint16_t* b,
               const uint16_t* alpha, const float* A_log, const float* dt_bias, float* state, uint16_t* y);
 void gdn_norm(Encoder& enc, const GdnArgs& a, const uint16_t* y, const uint16_t* z, const float* w, uint16_t* out);
+// gdn_conv_scan_norm: a decode token's conv, scan and gated norm in one dispatch (or the conv, then the scan with the
+// norm) where backend/policy.h's gdn_token_path says so; false (nothing run) where the three ops run apart.
+bool gdn_conv_scan_norm(Encoder& enc, const Optimisations& opts, const GdnArgs& a, const uint16_t* x,
+                        const float* conv_w, uint16_t* conv_state, uint16_t* conv_out, const uint16_t* b,
+                        const uint16_t* alpha, const float* A_log, const float* dt_bias, float* state,
+                        const uint16_t* z, const float* w, uint16_t* out);
 
 // moe.cpp (metal/moe.metal); the prefill sort is one threadgroup with the switch moe_sort_scan on
 void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWeights& w, const uint16_t* m,

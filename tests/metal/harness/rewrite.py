@@ -32,7 +32,9 @@ ATTRIBUTES = ("threadgroup_position_in_grid", "thread_position_in_threadgroup", 
               "threads_per_simdgroup")
 KEYWORDS = ("device", "constant", "threadgroup", "thread", "kernel")
 
-KERNEL_RE = re.compile(r"(?:\[\[\s*kernel\s*\]\]|\bkernel\b)\s*void\s+(\w+)\s*\(")
+# A kernel function: `[[kernel]]` (or `kernel`), optionally `[[kernel, max_total_threads_per_threadgroup(N)]]`.
+KERNEL_RE = re.compile(r"(?:\[\[\s*kernel\s*(?:,\s*max_total_threads_per_threadgroup\s*\(\s*(\d+)\s*\)\s*)?\]\]"
+                       r"|\bkernel\b)\s*void\s+(\w+)\s*\(")
 INSTANCE_RE = re.compile(r"template\s*(\[\[\s*host_name\s*\(\s*\"([^\"]+)\"\s*\)\s*\]\]\s*\[\[\s*kernel\s*\]\])"
                          r"\s*decltype\s*\(\s*((\w+)\s*<[^;]*?>)\s*\)[^;]*;")
 TG_DECL_RE = re.compile(r"^([ \t]*)threadgroup[ \t]+([A-Za-z_][\w:<>, ]*?)[ \t]+([A-Za-z_]\w*)[ \t]*"
@@ -50,6 +52,7 @@ class Entry:
     expr: str   # the function (or template specialisation) to call
     fn: str     # the function's name, whose parameter list gives the bindings
     line: int
+    max_threads: int = 1024  # the function's max_total_threads_per_threadgroup, else Metal's limit
 
 
 def blank_comments(text: str) -> str:
@@ -100,9 +103,13 @@ def rewrite(path: Path, lint: bool = False) -> str:
     stem = re.sub(r"\W", "_", path.stem)
 
     # Kernel functions and their bindings; template kernels are registered through their instantiations.
-    bindings, entries = {}, []
+    bindings, limits, entries = {}, {}, []
     for m in KERNEL_RE.finditer(code):
-        fn, depth, i = m.group(1), 1, m.end()
+        fn, depth, i = m.group(2), 1, m.end()
+        limits[fn] = int(m.group(1) or 1024)
+        if not 1 <= limits[fn] <= 1024:
+            raise RewriteError(f"{rel}:{line_of(code, m.start())}: max_total_threads_per_threadgroup({m.group(1)}) "
+                               f"of {fn} is not in 1..1024")
         while depth:
             if i >= len(code):
                 raise RewriteError(f"{rel}:{line_of(code, m.start())}: unbalanced parameter list of {fn}")
@@ -112,7 +119,7 @@ def rewrite(path: Path, lint: bool = False) -> str:
         bindings[fn] = [binding(p, where) for p in split_params(code[m.end():i - 1])]
         head = code[max(code.rfind(";", 0, m.start()), code.rfind("}", 0, m.start())) + 1:m.start()]
         if not re.search(r"\btemplate\s*<", head):
-            entries.append(Entry(fn, fn, fn, line_of(code, m.start())))
+            entries.append(Entry(fn, fn, fn, line_of(code, m.start()), limits[fn]))
 
     # Instantiations: strip their attributes, register each host name.
     out = list(text)
@@ -121,7 +128,7 @@ def rewrite(path: Path, lint: bool = False) -> str:
         if fn not in bindings:
             raise RewriteError(f"{rel}:{line_of(code, m.start())}: {name} instantiates {fn}, which is not a "
                                "[[kernel]] template of this file")
-        entries.append(Entry(name, expr, fn, line_of(code, m.start())))
+        entries.append(Entry(name, expr, fn, line_of(code, m.start()), limits[fn]))
         out[m.start(1):m.end(1)] = [" "] * (m.end(1) - m.start(1))
 
     # `threadgroup T x[N];` → a reference to this threadgroup's storage (same line).
@@ -143,7 +150,8 @@ def rewrite(path: Path, lint: bool = False) -> str:
             lines += [f"static void metal_emu_entry_{i}(const metal_emu::Bindings& b, const metal_emu::Pos& p) {{",
                       f"  metal_emu::invoke<{', '.join(bindings[e.fn])}>(&lily_metal_{stem}::{e.expr}, b, p);", "}"]
         lines.append(f"void metal_emu_register_{stem}() {{")
-        lines += [f'  metal_emu::register_kernel({{"{e.name}", metal_emu_entry_{i}, {{"{rel}", {e.line}}}}});'
+        lines += [f'  metal_emu::register_kernel({{"{e.name}", metal_emu_entry_{i}, {{"{rel}", {e.line}}}, '
+                  f'{e.max_threads}}});'
                   for i, e in enumerate(entries)]
         lines.append("}")
     return "\n".join(lines) + "\n"

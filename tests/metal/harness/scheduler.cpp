@@ -399,6 +399,10 @@ void run(const Kernel& k, const Bindings& b, U3 groups, U3 threads, Order order,
   if (n == 0 || n > kMaxThreads)
     throw KernelError("kernel '" + std::string(k.name) + "': " + std::to_string(n) + " threads per threadgroup " +
                       str(threads) + "; Metal allows 1 to 1024");
+  if (n > k.max_threads)  // Apple's pipeline state allows at most this many (maxTotalThreadsPerThreadgroup)
+    throw KernelError("kernel '" + std::string(k.name) + "': " + std::to_string(n) + " threads per threadgroup " +
+                      str(threads) + "; it declares max_total_threads_per_threadgroup(" +
+                      std::to_string(k.max_threads) + ") at " + where(k.loc));
   const uint64_t n_groups = uint64_t(groups.x) * groups.y * groups.z;
   if (auto it = registry().find(k.name); it != registry().end()) ++it->second.dispatches;
   if (n_groups == 0) return;

@@ -60,6 +60,7 @@ struct Kernel {
   const char* name;  // the host name
   Entry entry;
   Loc loc;           // where the kernel (or its instantiation) is written
+  uint32_t max_threads = 1024;  // its [[max_total_threads_per_threadgroup(N)]], else Metal's 1024
 };
 
 // Kernel registry: the generated kernel sources register every entry (host name → wrapper).
