@@ -49,8 +49,8 @@
 //            Real model: 32 heads × 8 row blocks = 256 threadgroups of 128 threads.
 //          norm: one simdgroup per (token, value head), values lane + 32·m per lane.
 //          one token (gdn_token, gdn_conv_token): threadgroup = value head (or key head with its NV/NK value heads,
-//            with the conv), 8 state rows per simdgroup; see "one decode token" below. Real model: 32 threadgroups of
-//            512 threads, or 16 of 1024 with the conv.
+//            with the conv), blocks of 8 state rows, one per simdgroup and pass; see "one decode token" below. Real
+//            model: 32 threadgroups of 512 threads, or 16 (two passes) with the conv.
 //          chunked scan, three dispatches: gdn_chunk_prep, one simdgroup per (token, key head); gdn_wy, threadgroup
 //            = (chunk, value head), 8 simdgroups: the K̂K̂ᵀ / Q̂K̂ᵀ row tiles on simdgroup matrices, then one thread
 //            per column of the triangular solve; gdn_chunk_scan, threadgroup = (value head, 32 state rows), 4
@@ -541,16 +541,19 @@ template <int DK>
 // and one of them must write it: within one threadgroup each channel has one thread, which reads its old rows and
 // writes the new ones, so no other threadgroup waits (Metal promises no forward progress between threadgroups, so the
 // cluster barrier CUDA uses has no counterpart).
-// Mapping: simdgroup = kGdnTokRowsPerSg state rows of one head (lane holds columns lane + 32·m, as gdn_scan_heads),
-// R·DV or DV rows per threadgroup ≤ kGdnTokMaxRows (≤ 1024 threads). (1) Threads i < 2·DK stage q_i and k_i of the key
-// head in threadgroup memory: the conv output (CONV: computed from x, the taps and the old state rows, the new rows
-// written at once) or c. Lanes j < kGdnTokRowsPerSg load v (CONV: convolve it), z and the norm weight of row j.
-// (2) After a barrier every simdgroup normalises q and k itself (simd_sum over its lanes' DK/32 values), computes its
-// head's gates and runs the one-token recurrence on its rows. (3) Σy² (y rounded to bf16, as gdn_norm reads it) per
-// simdgroup in threadgroup memory; after a second barrier each simdgroup adds its head's partials in order and lanes
-// j < kGdnTokRowsPerSg write o = y / sqrt(mean(y²) + eps) · w · silu(z).
-// Traffic: the scan's (state 2·NV·DV·DK·4 B) plus, with CONV, the conv's 0.26 MB; c (16 KB) and y's round trip (two 8 KB
-// writes and reads) are gone. Real model: 32 threadgroups of 512 threads, or 16 of 1024 with CONV.
+// Mapping: the threadgroup's rows (DV, or R·DV with CONV; ≤ kGdnTokMaxRows) in blocks of kGdnTokRowsPerSg = 8, a block
+// per simdgroup and pass: at most kGdnTokSgs simdgroups (512 threads), block b = pass·sgs + sg, so the real model's
+// key head (256 rows) takes two passes and holds 8 rows of state per lane at a time (32 floats at DK = 128): 1024
+// threads holding all 256 rows would need ~60 registers each, more than an Apple core's register file gives a full
+// threadgroup. (1) Threads i < 2·DK stage q_i and k_i of the key head in threadgroup memory: the conv output (CONV:
+// computed from x, the taps and the old state rows, the new rows written at once) or c. Lanes j < 8 of each block load
+// its row j's v (CONV: convolve it), z and norm weight. (2) After a barrier every simdgroup normalises q and k itself
+// (simd_sum over its lanes' DK/32 values); per pass, its block's head's gates and the one-token recurrence on the
+// block's rows (lane holds columns lane + 32·m, as gdn_scan_heads). (3) Σy² of each block (y rounded to bf16, as
+// gdn_norm reads it) in threadgroup memory; after a second barrier each block adds its head's partials in order and
+// lanes j < 8 write o = y / sqrt(mean(y²) + eps) · w · silu(z).
+// Traffic: the scan's (state 2·NV·DV·DK·4 B) plus, with CONV, the conv's 0.26 MB; c (16 KB) and y's round trip (two
+// 8 KB writes and reads) are gone. Real model: 32 threadgroups of 512 threads, or 16 with CONV.
 
 // One channel of a decode token's conv (gdn_conv's sum for T = 1): U = [state rows 0..K−2; x], returns
 // bf16(silu(Σ_k w[ch, k]·U[k])) as gdn_conv stores it, and shifts the channel's state: row r ← U[r + 1].
@@ -568,55 +571,52 @@ inline float conv_token(device const ushort* x, device const float* w, device us
 }
 
 template <int DK, bool CONV>
-[[kernel, max_total_threads_per_threadgroup(1024)]] void gdn_token(constant GdnKernelArgs& args [[buffer(0)]],
-                                                                    device const ushort* in [[buffer(1)]],
-                                                                    device const float* conv_w [[buffer(2)]],
-                                                                    device ushort* conv_state [[buffer(3)]],
-                                                                    device const ushort* b [[buffer(4)]],
-                                                                    device const ushort* alpha [[buffer(5)]],
-                                                                    device const float* A_log [[buffer(6)]],
-                                                                    device const float* dt_bias [[buffer(7)]],
-                                                                    device float* state [[buffer(8)]],
-                                                                    device const ushort* z [[buffer(9)]],
-                                                                    device const float* norm_w [[buffer(10)]],
-                                                                    device ushort* out [[buffer(11)]],
-                                                                    uint3 tg [[threadgroup_position_in_grid]],
-                                                                    uint tid [[thread_index_in_threadgroup]],
-                                                                    uint sg [[simdgroup_index_in_threadgroup]],
-                                                                    uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int kPer = DK / 32, kRows = kGdnTokRowsPerSg;
-  threadgroup float s_qk[2 * kGdnScanMaxDK];                // q then k of the key head, before the norms
-  threadgroup float s_ss[kGdnTokMaxRows / kGdnTokRowsPerSg];  // Σy² of each simdgroup's rows
+[[kernel, max_total_threads_per_threadgroup(512)]] void gdn_token(constant GdnKernelArgs& args [[buffer(0)]],
+                                                                   device const ushort* in [[buffer(1)]],
+                                                                   device const float* conv_w [[buffer(2)]],
+                                                                   device ushort* conv_state [[buffer(3)]],
+                                                                   device const ushort* b [[buffer(4)]],
+                                                                   device const ushort* alpha [[buffer(5)]],
+                                                                   device const float* A_log [[buffer(6)]],
+                                                                   device const float* dt_bias [[buffer(7)]],
+                                                                   device float* state [[buffer(8)]],
+                                                                   device const ushort* z [[buffer(9)]],
+                                                                   device const float* norm_w [[buffer(10)]],
+                                                                   device ushort* out [[buffer(11)]],
+                                                                   uint3 tg [[threadgroup_position_in_grid]],
+                                                                   uint tid [[thread_index_in_threadgroup]],
+                                                                   uint sg [[simdgroup_index_in_threadgroup]],
+                                                                   uint lane [[thread_index_in_simdgroup]]) {
+  constexpr int kPer = DK / 32, kRows = kGdnTokRowsPerSg, kPasses = kGdnTokMaxRows / (kRows * kGdnTokSgs);
+  static_assert(kGdnTokMaxRows % (kRows * kGdnTokSgs) == 0, "whole passes");
+  threadgroup float s_qk[2 * kGdnScanMaxDK];       // q then k of the key head, before the norms
+  threadgroup float s_ss[kGdnTokMaxRows / kGdnTokRowsPerSg];  // Σy² of each block's rows
 
   const int NK = args.NK, NV = args.NV, DV = args.DV, C = args.C, R = NV / NK;
-  const int per_head = DV / kRows;  // simdgroups per head
-  const int threads = 32 * (CONV ? R : 1) * per_head;
-  const int h = CONV ? int(tg.x) * R + int(sg) / per_head : int(tg.x);
-  const int kh = h / R, first = int(sg) - int(sg) % per_head;  // key head; the head's first simdgroup
-  const int row0 = (int(sg) % per_head) * kRows;                // this simdgroup's first row of head h
+  const int per_head = DV / kRows, blocks = (CONV ? R : 1) * per_head;  // row blocks per head, per threadgroup
+  const int sgs = min(blocks, int(kGdnTokSgs)), threads = 32 * sgs;
+  const int h0 = CONV ? int(tg.x) * R : int(tg.x), kh = h0 / R;  // the threadgroup's first value head; key head
 
-  // (1) The stage, and this simdgroup's state rows, row values and gates.
+  // (1) The stage, and each block's row values.
   for (int i = int(tid); i < 2 * DK; i += threads) {
     const int ch = (i < DK ? kh * DK : (NK + kh) * DK - DK) + i;
     s_qk[i] = CONV ? conv_token(in, conv_w, conv_state, ch, C, args.K) : bf16_to_float(in[ch]);
   }
-  float vl = 0.0f, zl = 0.0f, wl = 0.0f;  // lane j < kRows: row row0 + j's v, z and norm weight
-  if (int(lane) < kRows) {
-    const int row = row0 + int(lane), ch = 2 * NK * DK + h * DV + row;
-    vl = CONV ? conv_token(in, conv_w, conv_state, ch, C, args.K) : bf16_to_float(in[ch]);
-    zl = bf16_to_float(z[h * DV + row]);
-    wl = norm_w[row];
+  float vl[kPasses], zl[kPasses], wl[kPasses];  // lane j < kRows: row j of block pass·sgs + sg
+  for (int p = 0; p < kPasses; ++p) {
+    const int blk = p * sgs + int(sg);
+    vl[p] = zl[p] = wl[p] = 0.0f;
+    if (blk < blocks && int(lane) < kRows) {
+      const int h = h0 + blk / per_head, row = (blk % per_head) * kRows + int(lane);
+      const int ch = 2 * NK * DK + h * DV + row;
+      vl[p] = CONV ? conv_token(in, conv_w, conv_state, ch, C, args.K) : bf16_to_float(in[ch]);
+      zl[p] = bf16_to_float(z[h * DV + row]);
+      wl[p] = norm_w[row];
+    }
   }
-  float S[kRows][kPer];
-  for (int r = 0; r < kRows; ++r)
-    for (int m = 0; m < kPer; ++m) S[r][m] = state[(h * DV + row0 + r) * DK + int(lane) + 32 * m];
-  const float beta = sigmoid_f(bf16_to_float(b[h]));  // β = σ(b)
-  const float a = bf16_to_float(alpha[h]) + dt_bias[h];
-  const float softplus = max(a, 0.0f) + log(1.0f + exp(-fabs(a)));
-  const float g = exp(-exp(A_log[h]) * softplus);  // g = exp(−exp(A_log)·softplus(α + dt_bias))
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  // (2) q̂, k̂ and the recurrence on this simdgroup's rows.
+  // (2) q̂, k̂, then per pass the recurrence on the block's rows.
   float q[kPer], k[kPer], sq = 0.0f, sk = 0.0f;
   for (int m = 0; m < kPer; ++m) {
     q[m] = s_qk[int(lane) + 32 * m];
@@ -633,31 +633,51 @@ template <int DK, bool CONV>
     kq += k[m] * q[m];
   }
   kq = simd_sum(kq);
-  float yl = 0.0f, ss = 0.0f;  // lane j < kRows: bf16(y) of row row0 + j; Σy² of the simdgroup's rows
-  for (int r = 0; r < kRows; ++r) {
-    float ak = 0.0f, aq = 0.0f;
-    for (int m = 0; m < kPer; ++m) {
-      ak += S[r][m] * k[m];  // S_i·k̂ (old S)
-      aq += S[r][m] * q[m];  // S_i·q̂ (old S)
+  float yl[kPasses];  // lane j < kRows: bf16(y) of row j of the pass's block
+  for (int p = 0; p < kPasses; ++p) {
+    const int blk = p * sgs + int(sg);
+    yl[p] = 0.0f;
+    if (blk >= blocks) continue;  // uniform across the simdgroup
+    const int h = h0 + blk / per_head, row0 = (blk % per_head) * kRows;
+    device float* Sh = state + (h * DV + row0) * DK + int(lane);
+    float S[kRows][kPer];
+    for (int r = 0; r < kRows; ++r)
+      for (int m = 0; m < kPer; ++m) S[r][m] = Sh[r * DK + 32 * m];
+    const float beta = sigmoid_f(bf16_to_float(b[h]));  // β = σ(b)
+    const float a = bf16_to_float(alpha[h]) + dt_bias[h];
+    const float softplus = max(a, 0.0f) + log(1.0f + exp(-fabs(a)));
+    const float g = exp(-exp(A_log[h]) * softplus);  // g = exp(−exp(A_log)·softplus(α + dt_bias))
+    float ss = 0.0f;
+    for (int r = 0; r < kRows; ++r) {
+      float ak = 0.0f, aq = 0.0f;
+      for (int m = 0; m < kPer; ++m) {
+        ak += S[r][m] * k[m];  // S_i·k̂ (old S)
+        aq += S[r][m] * q[m];  // S_i·q̂ (old S)
+      }
+      ak = simd_sum(ak);
+      aq = simd_sum(aq);
+      const float delta = beta * (simd_shuffle(vl[p], ushort(r)) - g * ak);  // δ = β·(v − (g·S)·k̂)
+      for (int m = 0; m < kPer; ++m) S[r][m] = fma(S[r][m], g, delta * k[m]);  // S ← g·S + δ ⊗ k̂
+      const float y = bf16_to_float(float_to_bf16(g * aq + delta * kq));  // y = (g·S + δ⊗k̂)·q̂, as gdn_norm reads
+      ss += y * y;
+      if (int(lane) == r) yl[p] = y;
     }
-    ak = simd_sum(ak);
-    aq = simd_sum(aq);
-    const float delta = beta * (simd_shuffle(vl, ushort(r)) - g * ak);  // δ = β·(v − (g·S)·k̂)
-    for (int m = 0; m < kPer; ++m) S[r][m] = fma(S[r][m], g, delta * k[m]);  // S ← g·S + δ ⊗ k̂
-    const float y = bf16_to_float(float_to_bf16(g * aq + delta * kq));  // y = (g·S + δ⊗k̂)·q̂, as gdn_norm reads it
-    ss += y * y;
-    if (int(lane) == r) yl = y;
+    for (int r = 0; r < kRows; ++r)
+      for (int m = 0; m < kPer; ++m) Sh[r * DK + 32 * m] = S[r][m];
+    if (lane == 0) s_ss[blk] = ss;
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int m = 0; m < kPer; ++m) state[(h * DV + row0 + r) * DK + int(lane) + 32 * m] = S[r][m];
 
-  // (3) The gated norm over the head's DV rows.
-  if (lane == 0) s_ss[sg] = ss;
+  // (3) The gated norm over each head's DV rows.
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  float tot = 0.0f;
-  for (int i = 0; i < per_head; ++i) tot += s_ss[first + i];
-  const float rs = 1.0f / sqrt(tot / float(DV) + args.eps);  // 1 / sqrt(mean(y²) + eps)
-  if (int(lane) < kRows) out[h * DV + row0 + int(lane)] = float_to_bf16(yl * rs * wl * silu_f(zl));
+  for (int p = 0; p < kPasses; ++p) {
+    const int blk = p * sgs + int(sg);
+    if (blk >= blocks) continue;
+    const int first = blk - blk % per_head, h = h0 + blk / per_head, row = (blk % per_head) * kRows + int(lane);
+    float tot = 0.0f;
+    for (int i = 0; i < per_head; ++i) tot += s_ss[first + i];
+    const float rs = 1.0f / sqrt(tot / float(DV) + args.eps);  // 1 / sqrt(mean(y²) + eps)
+    if (int(lane) < kRows) out[h * DV + row] = float_to_bf16(yl[p] * rs * wl[p] * silu_f(zl[p]));
+  }
 }
 
 // ---- instantiations (host names used by csrc/backend/metal/gdn.cpp) -------------------------------------------------

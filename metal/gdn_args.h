@@ -26,8 +26,9 @@ enum GdnTiling : int {
   kGdnNormSgs = 8,        // simdgroups (rows) per gdn_norm threadgroup
   kGdnNormMaxPer = 8,     // values per lane: DV ≤ 256
   // One decode token in one dispatch (gdn_token, gdn_conv_token; backend/policy.h: gdn_token_path).
-  kGdnTokRowsPerSg = 8,   // state rows per simdgroup
-  kGdnTokMaxRows = 256,   // state rows per threadgroup (DV, or R·DV with the conv): at most 1024 threads
+  kGdnTokRowsPerSg = 8,   // state rows per simdgroup and pass (a block)
+  kGdnTokSgs = 16,        // simdgroups per threadgroup, at most (512 threads)
+  kGdnTokMaxRows = 256,   // state rows per threadgroup (DV, or R·DV with the conv): two passes of 16 blocks
   // The chunked prefill (switch gdn_chunked; the launcher asserts these equal backend/policy.h's kGdnChunk,
   // kGdnChunkRows and kGdnChunkMaxCols, which decide when it runs).
   kGdnChunkL = 64,        // tokens per chunk

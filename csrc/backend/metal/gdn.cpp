@@ -139,7 +139,7 @@ bool gdn_conv_scan_norm(Encoder& enc, const Optimisations& opts, const GdnArgs& 
                         const float* conv_w, uint16_t* conv_state, uint16_t* conv_out, const uint16_t* b,
                         const uint16_t* alpha, const float* A_log, const float* dt_bias, float* state,
                         const uint16_t* z, const float* w, uint16_t* out) {
-  // The one-token kernel holds DV rows per threadgroup, or R·DV with the conv (kGdnTokMaxRows: 1024 threads).
+  // The one-token kernel takes DV rows per threadgroup, or R·DV with the conv, at most kGdnTokMaxRows.
   const int R = a.NK > 0 ? a.NV / a.NK : 0;
   const GdnToken path = gdn_token_path(a, opts, a.DV % kGdnTokRowsPerSg == 0 && a.DV <= kGdnTokMaxRows,
                                        int64_t(R) * a.DV <= kGdnTokMaxRows);
@@ -168,8 +168,8 @@ bool gdn_conv_scan_norm(Encoder& enc, const Optimisations& opts, const GdnArgs& 
   enc.set_buffer(9, z);                    // z
   enc.set_buffer(10, w);                   // norm_w
   enc.set_buffer(11, out);                 // out
-  const int rows = (conv ? R : 1) * a.DV;
-  enc.dispatch({uint32_t(conv ? a.NK : a.NV), 1, 1}, {uint32_t(4 * rows), 1, 1});
+  const int blocks = (conv ? R : 1) * a.DV / kGdnTokRowsPerSg;  // of kGdnTokRowsPerSg rows, one per simdgroup and pass
+  enc.dispatch({uint32_t(conv ? a.NK : a.NV), 1, 1}, {uint32_t(32 * std::min<int>(blocks, kGdnTokSgs)), 1, 1});
   return true;
 }
 
