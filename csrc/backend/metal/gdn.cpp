@@ -40,6 +40,12 @@ GdnKernelArgs kernel_args(const GdnArgs& a, const char* name) {
   return k;
 }
 
+// The key dims the scan kernels are instantiated for (by_dk picks the instance).
+void check_dk(const GdnArgs& a, const char* op) {
+  LILY_CHECK(a.DK == 32 || a.DK == 64 || a.DK == 128, op, ": DK = ", a.DK,
+             " is not supported by the Metal backend (32, 64 or 128)");
+}
+
 const char* by_dk(int DK, const char* dk32, const char* dk64, const char* dk128) {
   return DK == 32 ? dk32 : DK == 64 ? dk64 : dk128;
 }
@@ -115,8 +121,7 @@ void gdn_conv(Encoder& enc, const GdnArgs& a, const uint16_t* x, const float* w,
 void gdn_scan(Encoder& enc, const Optimisations& opts, const GdnArgs& a, const uint16_t* c, const uint16_t* b,
               const uint16_t* alpha, const float* A_log, const float* dt_bias, float* state, uint16_t* y) {
   const GdnKernelArgs k = kernel_args(a, "gdn_scan");
-  LILY_CHECK(a.DK == 32 || a.DK == 64 || a.DK == 128, "gdn_scan: DK = ", a.DK,
-             " is not supported by the Metal backend (32, 64 or 128)");
+  check_dk(a, "gdn_scan");
   LILY_CHECK(a.DV % kGdnScanRows == 0, "gdn_scan: DV = ", a.DV, " must be a multiple of ", int(kGdnScanRows));
   if (a.T == 0) return;
   if (gdn_chunked(a, opts)) {
@@ -145,8 +150,7 @@ bool gdn_conv_scan_norm(Encoder& enc, const Optimisations& opts, const GdnArgs& 
                                        int64_t(R) * a.DV <= kGdnTokMaxRows);
   if (path == GdnToken::apart) return false;
   const GdnKernelArgs k = kernel_args(a, "gdn_conv_scan_norm");
-  LILY_CHECK(a.DK == 32 || a.DK == 64 || a.DK == 128, "gdn_conv_scan_norm: DK = ", a.DK,
-             " is not supported by the Metal backend (32, 64 or 128)");
+  check_dk(a, "gdn_conv_scan_norm");
   LILY_CHECK(z && w && out, "gdn_conv_scan_norm: null z, w or out");
   const bool conv = path == GdnToken::conv_scan_norm;
   if (conv) {
