@@ -6,9 +6,10 @@
 # library at 4K and 32K: benchmarks/bench_serve.py, the same wheels), profile (per-kernel times of a prefill chunk
 # and a decode step under ncu), stalls (ncu's warp-state and memory sections for the Hopper GEMMs), dstalls (the same
 # for the decode step's GEMV and MoE kernels), trace (each kernel's share of the replayed decode step's critical path:
-# benchmarks/probes/step_trace.py, on a build made with TRACE=1), sanitize (memcheck + racecheck). PROFILE_ARGS go
+# benchmarks/probes/step_trace.py, on a build made with TRACE=1), persist (benchmarks/probes/persist_probe.cu: one
+# persistent kernel against the graph of PDL kernels on chains of GEMVs), sanitize (memcheck + racecheck). PROFILE_ARGS go
 # to profile_step.py in profile and stalls (e.g. --prefix 28672: the 4096-token chunk that sees 28K earlier tokens).
-# Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|agent|serve|profile|stalls|dstalls|trace|sanitize]...
+# Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|agent|serve|profile|stalls|dstalls|trace|persist|sanitize]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lily-out}
@@ -74,6 +75,10 @@ for step in $steps; do
              timeout 150 python3 benchmarks/probes/step_trace.py --context $L --out "$OUT/trace_$L.json" \
                | tee "$OUT/trace_$L.txt" | head -20
            done ;;
+    persist) # what a persistent decode kernel would buy over the graph of PDL kernels (benchmarks/probes/
+             # persist_probe.cu: chains of real-size 4-bit GEMVs, each variant checked, then timed)
+             nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc -o /tmp/persist benchmarks/probes/persist_probe.cu \
+               && timeout 200 /tmp/persist 2>&1 | tee "$OUT/persist.txt" ;;
     sanitize) for tool in memcheck racecheck; do
         LILY_OP_TAGS=edge timeout 250 compute-sanitizer --tool $tool --error-exitcode 1 \
           python3 -m pytest tests/ops -q -x -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/sanitize-$tool.log"; done ;;
