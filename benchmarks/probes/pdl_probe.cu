@@ -14,14 +14,7 @@
 #include <algorithm>
 #include <vector>
 
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t err_ = (x);                                                                  \
-    if (err_ != cudaSuccess) {                                                             \
-      std::printf("CUDA error %s at line %d: %s\n", cudaGetErrorString(err_), __LINE__, #x); \
-      return 1;                                                                           \
-    }                                                                                     \
-  } while (0)
+#include "probe.cuh"
 
 constexpr int kThreads = 256, kLoads = 4;  // 16-byte loads in flight per thread and step
 
@@ -109,22 +102,7 @@ int main() {
       }
       CHECK(cudaStreamEndCapture(st, &g));
       CHECK(cudaGraphInstantiate(&ge, g, 0));
-      cudaEvent_t a, b;
-      CHECK(cudaEventCreate(&a));
-      CHECK(cudaEventCreate(&b));
-      for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(ge, st));
-      std::vector<float> ms;
-      for (int i = 0; i < 10; ++i) {
-        CHECK(cudaEventRecord(a, st));
-        CHECK(cudaGraphLaunch(ge, st));
-        CHECK(cudaEventRecord(b, st));
-        CHECK(cudaEventSynchronize(b));
-        float m;
-        CHECK(cudaEventElapsedTime(&m, a, b));
-        ms.push_back(m);
-      }
-      std::sort(ms.begin(), ms.end());
-      t[mode] = ms[ms.size() / 2] * 1000.0 / n;
+      t[mode] = graph_median_us(st, ge, 3, 10) / n;
       CHECK(cudaGraphExecDestroy(ge));
       CHECK(cudaGraphDestroy(g));
     }

@@ -36,15 +36,7 @@
 #include <vector>
 
 #include "backend/cuda/gemm.cuh"
-
-#define CHECK(x)                                                                               \
-  do {                                                                                         \
-    cudaError_t err_ = (x);                                                                    \
-    if (err_ != cudaSuccess) {                                                                 \
-      std::printf("CUDA error %s at line %d: %s\n", cudaGetErrorString(err_), __LINE__, #x); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
+#include "probe.cuh"
 
 namespace {
 
@@ -394,27 +386,6 @@ bool check(cudaStream_t st, const Chain& ch, cudaGraphExec_t ge, Variant v, std:
   return true;
 }
 
-double time_us(cudaStream_t st, cudaGraphExec_t ge) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(ge, st));
-  std::vector<float> ms;
-  for (int i = 0; i < 21; ++i) {
-    CHECK(cudaEventRecord(a, st));
-    CHECK(cudaGraphLaunch(ge, st));
-    CHECK(cudaEventRecord(b, st));
-    CHECK(cudaEventSynchronize(b));
-    float m;
-    CHECK(cudaEventElapsedTime(&m, a, b));
-    ms.push_back(m);
-  }
-  std::sort(ms.begin(), ms.end());
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  return ms[ms.size() / 2] * 1000.0;
-}
-
 }  // namespace
 
 int main() {
@@ -449,7 +420,7 @@ int main() {
       ok = check(st, chains[c], ge[v], Variant(v), first) && ok;
     }
     for (int rep = 0; rep < 2; ++rep)  // two rounds, interleaved: their spread is the noise
-      for (int v = 0; v < kVariants; ++v) t[c][v][rep] = time_us(st, ge[v]);
+      for (int v = 0; v < kVariants; ++v) t[c][v][rep] = graph_median_us(st, ge[v]);
     for (int v = 0; v < kVariants; ++v) CHECK(cudaGraphExecDestroy(ge[v]));
   }
   std::printf("\n%-6s %-9s %12s %12s %10s %8s\n", "chain", "variant", "µs/step", "µs/GEMV", "TB/s", "vs pdl");
