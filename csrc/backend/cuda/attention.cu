@@ -748,9 +748,7 @@ void launch_mma(Ctx& ctx, const KArgs& ka, int row_tiles, const bf16* q, const b
   constexpr size_t smem = size_t(16 * RW + 2 * NSTAGE * kBC) * (HD + 8) * sizeof(bf16);
   LILY_CHECK(smem <= ctx.smem_optin, "attention: HD=", HD, " needs ", smem, " bytes of shared memory, the device has ",
              ctx.smem_optin);
-  static const cudaError_t attr = cudaFuncSetAttribute(attn_mma_kernel<HD, RW, KW, NSTAGE>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  LILY_CUDA_CHECK(attr);
+  allow_smem(ctx, attn_mma_kernel<HD, RW, KW, NSTAGE>, smem);
   launch(ctx, attn_mma_kernel<HD, RW, KW, NSTAGE>, dim3(row_tiles, ka.NKV, ka.S), 32 * RW * KW, smem, ka, q,
          k_cache, v_cache, qg, out, po, pml);
 }
@@ -773,9 +771,7 @@ void launch_wgmma(Ctx& ctx, const KArgs& ka, int row_tiles, const bf16* q, const
     constexpr int smem = WgLayout<HD>::kBytes;
     LILY_CHECK(size_t(smem) <= ctx.smem_optin, "attention: HD=", HD, " needs ", smem,
                " bytes of shared memory, the device has ", ctx.smem_optin);
-    static const cudaError_t attr =
-        cudaFuncSetAttribute(attn_wgmma_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    LILY_CUDA_CHECK(attr);
+    allow_smem(ctx, attn_wgmma_kernel<HD>, smem);
     launch(ctx, attn_wgmma_kernel<HD>, dim3(row_tiles, ka.NKV, ka.S), 256, smem, ka, q, k_cache, v_cache, qg, out,
            po, pml);
   }

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -36,6 +38,9 @@ struct Ctx {
   Optimisations opts;
   bool sm90a = false;  // a 9.0 device (H100/H200): the sm_90a kernels (qmm_sm90.cu) run on it when built
   bool pdl = false;  // launch with programmatic stream serialization (the replayed decode step, switch pdl)
+  // The dynamic shared-memory limit each kernel has been raised to (allow_smem), shared by this Ctx's copies.
+  std::shared_ptr<std::unordered_map<const void*, size_t>> smem_limits =
+      std::make_shared<std::unordered_map<const void*, size_t>>();
   void* scratch(int slot, size_t bytes);
 
   void* buf[kNumSlots] = {};
@@ -109,6 +114,16 @@ void launch(const Ctx& ctx, void (*kernel)(Params...), dim3 grid, dim3 block, si
   if (ctx.capturing && step_trace_on()) step_trace_launch(reinterpret_cast<const void*>(kernel));
 #endif
   LILY_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// Raises kernel's dynamic shared-memory limit to `bytes` (needed past 48 KB, or once static shared memory is added),
+// calling the driver only when the limit grows.
+template <typename Kernel>
+void allow_smem(const Ctx& ctx, Kernel kernel, size_t bytes) {
+  size_t& have = (*ctx.smem_limits)[reinterpret_cast<const void*>(kernel)];
+  if (bytes <= have) return;
+  LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  have = bytes;
 }
 
 // Largest T of the fp32 GEMV (one pass over the weights, x in shared memory); above it, tensor cores.

@@ -1247,11 +1247,7 @@ void gdn_conv(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* w, bf16* c
                   aligned(conv_state, 16);
   const dim3 grid(unsigned(cdiv(C / (v8 ? 8 : 4), kConvThreads)), unsigned(cdiv(a.T, kConvChunk)));
   const size_t smem = conv_smem_bytes(v8 ? 8 : 4, a.conv_kernel, a.T);
-  static const cudaError_t attr = [] {  // the 16-byte rows of a prefill chunk need more than the default 48 KB
-    return cudaFuncSetAttribute(gdn_conv_kernel<8, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                int(conv_smem_bytes(8, 4, kConvChunk)));
-  }();
-  LILY_CUDA_CHECK(attr);
+  allow_smem(ctx, gdn_conv_kernel<8, 4>, conv_smem_bytes(8, 4, kConvChunk));  // a prefill chunk's: past 48 KB
   auto go = [&](auto kernel) {
     launch(ctx, kernel, grid, kConvThreads, smem, x, w, conv_state, out, a.T, C, a.conv_kernel);
   };
@@ -1296,19 +1292,12 @@ void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf
       void* wy = ctx.scratch(kSlotGdnChunk, cp.bytes);
       ca.W1 = cp.at<float>(wy, kChunkW1), ca.W2 = cp.at<float>(wy, kChunkW2);
       ca.P = cp.at<float>(wy, kChunkP), ca.lam = cp.at<float>(wy, kChunkLam);
-      static const cudaError_t wy_attr = cudaFuncSetAttribute(
-          gdn_wy_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(wy_smem_bytes(DK, kWyThreads - DK)));
-      static const cudaError_t cs_attr = cudaFuncSetAttribute(
-          gdn_chunk_scan_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(cs_smem_bytes(DK)));
-      LILY_CUDA_CHECK(wy_attr);
-      LILY_CUDA_CHECK(cs_attr);
+      allow_smem(ctx, gdn_chunk_scan_kernel<DK>, cs_smem_bytes(DK));
       if (ctx.opts.on(Opt::gdn_wy_mma)) {
-        static const cudaError_t wym_attr =
-            cudaFuncSetAttribute(gdn_wy_mma_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 int(wy_smem_bytes(DK, kWyThreads - DK)));
-        LILY_CUDA_CHECK(wym_attr);
+        allow_smem(ctx, gdn_wy_mma_kernel<DK>, wy_smem_bytes(DK, kWyThreads - DK));
         launch(ctx, gdn_wy_mma_kernel<DK>, dim3(ca.nc, a.NV), kWyThreads, wy_smem_bytes(DK, a.DV), ca);
       } else {
+        allow_smem(ctx, gdn_wy_kernel<DK>, wy_smem_bytes(DK, kWyThreads - DK));
         launch(ctx, gdn_wy_kernel<DK>, dim3(ca.nc, a.NV), kWyThreads, wy_smem_bytes(DK, a.DV), ca);
       }
       check_launch("gdn_wy");

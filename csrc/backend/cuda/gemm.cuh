@@ -102,12 +102,6 @@ __device__ bool find_tile(const int32_t* offsets, int E, int t, int& e, int& r0,
   return e >= 0;
 }
 
-// Raise a kernel's dynamic shared-memory limit: even 48 KB needs it once static shared memory (find_tile) is added.
-template <typename Kernel>
-void allow_smem(Kernel kernel, int bytes) {
-  LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-}
-
 // qmm_sm90.cu: the Hopper (sm_90a wgmma) form of the two tile GEMMs below, taken when sm90_gemm_applies (switch
 // wgmma, 4-bit, group ≥ 64, K % 64 == 0, built for and running on sm_90a); the arguments are qmm's / moe_gemm's,
 // already checked.

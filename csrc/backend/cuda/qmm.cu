@@ -302,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, MI == 2 ? 3 : 2)
 template <int BITS, int MI>
 void launch_qmm(const Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32, int gshift) {
   constexpr int smem = 2 * kStageBytes<MI>;
-  allow_smem(qmm_kernel<BITS, MI>, smem);
+  allow_smem(ctx, qmm_kernel<BITS, MI>, smem);
   const dim3 grid(unsigned(cdiv(W.N, kBN)), unsigned(cdiv(T, 32 * MI)));
   launch(ctx, qmm_kernel<BITS, MI>, grid, kThreads, smem, W, x, T, y, y_f32, gshift);
 }
@@ -311,7 +311,7 @@ template <int BITS, int MI, bool FUSED>
 void launch_moe(const Ctx& ctx, const QMatrix& A, const QMatrix& B, const int32_t* offsets, const int32_t* rows,
                 int max_rows, const bf16* x, bf16* y, int gshift) {
   constexpr int smem = 2 * kStageBytes<MI>;
-  allow_smem(moe_gemm_kernel<BITS, MI, FUSED>, smem);
+  allow_smem(ctx, moe_gemm_kernel<BITS, MI, FUSED>, smem);
   const int64_t tiles = cdiv(max_rows, 32 * MI) + A.E;  // ≥ Σ_e ceil(count_e / BM)
   LILY_CHECK(tiles <= 65535, "moe_gemm: max_rows=", max_rows, " with E=", A.E, " needs ", tiles,
              " row tiles, over the grid limit 65535");

@@ -380,7 +380,7 @@ void qmm_sm90(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_
     constexpr int NT = decltype(nt)::value;
     using OT = std::remove_pointer_t<decltype(out)>;
     const int smem = smem_bytes<NT>(W.K / W.group);
-    allow_smem(qmm_sm90_kernel<NT, OT>, smem);
+    allow_smem(ctx, qmm_sm90_kernel<NT, OT>, smem);
     const dim3 grid(unsigned(cdiv(W.N, kRows)), unsigned(cdiv(T, NT)));
     launch(ctx, qmm_sm90_kernel<NT, OT>, grid, kThreads, smem, W, x, T, out, gshift,
            vec_ok(y, W.N, int(sizeof(OT))));
@@ -408,11 +408,11 @@ void moe_gemm_sm90(Ctx& ctx, const QMatrix& A, const QMatrix* B, const int32_t* 
     constexpr int MAXNT = decltype(maxnt)::value;
     const int smem = smem_bytes<MAXNT>(A.K / A.group);  // the largest tile's; the smaller ones need less
     if (B) {
-      allow_smem(moe_sm90_kernel<true, MAXNT>, smem);
+      allow_smem(ctx, moe_sm90_kernel<true, MAXNT>, smem);
       const dim3 grid(unsigned(cdiv(A.N, kRows / 2)), unsigned(tiles));
       launch(ctx, moe_sm90_kernel<true, MAXNT>, grid, kThreads, smem, A, *B, offsets, rows, x, y, gshift, v);
     } else {
-      allow_smem(moe_sm90_kernel<false, MAXNT>, smem);
+      allow_smem(ctx, moe_sm90_kernel<false, MAXNT>, smem);
       const dim3 grid(unsigned(cdiv(A.N, kRows)), unsigned(tiles));
       launch(ctx, moe_sm90_kernel<false, MAXNT>, grid, kThreads, smem, A, A, offsets, rows, x, y, gshift, v);
     }

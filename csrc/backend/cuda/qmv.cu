@@ -550,8 +550,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2) qmv_mma_kernel(const QmvPar
 template <int BITS, int T>
 void launch_qmv(const Ctx& ctx, const QmvParams& p, int grid, size_t smem) {
   auto kernel = qmv_kernel<BITS, T>;
-  if (smem + red_bytes(T) > 48 * 1024)  // dynamic + static past the default limit
-    LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  if (smem + red_bytes(T) > 48 * 1024) allow_smem(ctx, kernel, smem);  // dynamic + static past the default limit
   launch(ctx, kernel, grid, kWarps * 32, smem, p);
 }
 
@@ -611,8 +610,7 @@ bool launch_stream(Ctx& ctx, const QMatrix* Ws, int n, const QmvParams& p, size_
     constexpr int BITS = decltype(bits_c)::value;
     auto go = [&](auto cpl_c) {
       auto kernel = qmv_stream_kernel<BITS, decltype(cpl_c)::value>;
-      if (smem > 48 * 1024)
-        LILY_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      if (smem > 48 * 1024) allow_smem(ctx, kernel, smem);
       launch(ctx, kernel, blocks, kStreamWarps * 32, smem, p);
     };
     if (cpl == 1)
