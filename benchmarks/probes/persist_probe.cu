@@ -13,7 +13,7 @@
 // the dependencies between them.)
 //
 // Variants (each a CUDA graph of one step, replayed):
-//   graph      one kernel per GEMV, ordinary launches;
+//   graph      one kernel per GEMV, ordinary launches (grid: the resident blocks, or one warp per unit if fewer);
 //   pdl        one kernel per GEMV with programmatic dependent launch, the first unit loaded before the wait (Lily);
 //   pdl2       the same with two units loaded before the wait;
 //   persist    one kernel for the whole chain, grid = the SMs' resident blocks; after its units of GEMV s a block
@@ -298,7 +298,9 @@ Chain make_chain(const char* name, const std::vector<std::pair<int, int>>& layer
 enum Variant { kGraph, kPdl, kPdl2, kPersist, kPersist2, kFloor, kVariants };
 const char* kNames[kVariants] = {"graph", "pdl", "pdl2", "persist", "persist2", "floor"};
 
+// As qmv.cu's launch_stream sizes the grid: the resident blocks, or fewer when the GEMV has fewer units than warps.
 void launch_gemv(cudaStream_t st, int grid, const Gemv& g, bool pdl, int pre) {
+  grid = std::min(grid, (g.N / kRpu + kWarps - 1) / kWarps);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
