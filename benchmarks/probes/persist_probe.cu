@@ -21,9 +21,9 @@
 //              block has (acquire), then stages x; the counters are zeroed by a memset node before it;
 //   persist2   the same with two units of GEMV s + 1 loaded before the wait;
 //   floor      persist2 without the counters: wrong outputs (not checked), the time of the loads and arithmetic alone.
-// Every checked variant runs the same arithmetic in the same order, so their outputs must agree bit for bit; each is also
-// checked against a plain fp32 reference kernel per GEMV (each row's dequantised dot, fed the variant's own input, so
-// errors do not compound), outputs poisoned with NaN first.
+// Every checked variant runs the same arithmetic in the same order, so their outputs must agree bit for bit; each is
+// also checked against a plain fp32 reference kernel per GEMV (each row's dequantised dot, fed the variant's own
+// input, so errors do not compound), outputs poisoned with NaN first.
 //
 // Build and run (H200): nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc -o /tmp/persist benchmarks/probes/persist_probe.cu
 //                       /tmp/persist
@@ -93,7 +93,10 @@ __device__ void stage_x(const Gemv& g, float4* xs, float* xsum) {
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
       float f[8];
 #pragma unroll
-      for (int h = 0; h < 4; ++h) f[2 * h] = __uint_as_float(w[h] << 16), f[2 * h + 1] = __uint_as_float(w[h] & 0xFFFF0000u);
+      for (int h = 0; h < 4; ++h) {
+        f[2 * h] = __uint_as_float(w[h] << 16);
+        f[2 * h + 1] = __uint_as_float(w[h] & 0xFFFF0000u);
+      }
       sum += ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
       const int e = c * 32 + 8 * v;
       xs[xslot(e)] = make_float4(f[0], f[1], f[2], f[3]);
@@ -219,7 +222,8 @@ __global__ void ref_kernel(const Gemv g, uint16_t* y) {
   float acc = 0.0f;
   for (int k = lane; k < g.K; k += 32) {
     const uint32_t q = (w[k / 8] >> (4 * (k % 8))) & 15u;
-    const float wk = bits_to_f(g.s[size_t(n) * g.K / 64 + k / 64]) * float(q) + bits_to_f(g.b[size_t(n) * g.K / 64 + k / 64]);
+    const size_t gi = size_t(n) * g.K / 64 + k / 64;
+    const float wk = bits_to_f(g.s[gi]) * float(q) + bits_to_f(g.b[gi]);
     acc += wk * bits_to_f(g.x[k % g.xn]);
   }
   acc = warp_sum(acc);
@@ -370,7 +374,8 @@ bool check(cudaStream_t st, const Chain& ch, cudaGraphExec_t ge, Variant v, std:
     for (int i = 0; i < g.N; ++i) {
       const double o = bf(out[at + i]), r = bf(ref[at + i]);
       if (!std::isfinite(o)) {
-        std::printf("FAIL %s %s: GEMV %td row %d not written or not finite\n", ch.name, kNames[v], &g - ch.gemvs.data(), i);
+        std::printf("FAIL %s %s: GEMV %td row %d not written or not finite\n", ch.name, kNames[v],
+                    &g - ch.gemvs.data(), i);
         return false;
       }
       e2 += (o - r) * (o - r), r2 += r * r;
