@@ -302,19 +302,14 @@ Chain make_chain(const char* name, const std::vector<std::pair<int, int>>& layer
 enum Variant { kGraph, kPdl, kPdl2, kPersist, kPersist2, kFloor, kVariants };
 const char* kNames[kVariants] = {"graph", "pdl", "pdl2", "persist", "persist2", "floor"};
 
-// As qmv.cu's launch_stream sizes the grid: the resident blocks, or fewer when the GEMV has fewer units than warps.
+// Lily's own launch (common.cuh: the PDL attribute when ctx.pdl), the grid sized as qmv.cu's launch_stream sizes it:
+// the resident blocks, or fewer when the GEMV has fewer units than warps.
 void launch_gemv(cudaStream_t st, int grid, const Gemv& g, bool pdl, int pre) {
+  lily::cuda::Ctx ctx;
+  ctx.stream = st;
+  ctx.pdl = pdl;
   grid = std::min(grid, (g.N / kRpu + kWarps - 1) / kWarps);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = kThreads;
-  cfg.stream = st;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  CHECK(cudaLaunchKernelEx(&cfg, pre == 2 ? gemv_kernel<2> : gemv_kernel<1>, g));
+  lily::cuda::launch(ctx, pre == 2 ? gemv_kernel<2> : gemv_kernel<1>, grid, kThreads, 0, g);
 }
 
 cudaGraphExec_t capture(cudaStream_t st, const Chain& ch, Variant v, int grid, unsigned* done) {
