@@ -30,7 +30,8 @@ using bf16 = __nv_bfloat16;
   } while (0)
 
 // The launch context: one stream, the device's properties, the ablation switches, and scratch buffers (one per
-// backend/scratch.h slot) that grow on demand. Growth happens only outside graph capture (the backend runs every shape once before capturing it).
+// backend/scratch.h slot) that grow on demand. Growth happens only outside graph capture (the backend runs every
+// shape once before capturing it).
 struct Ctx {
   cudaStream_t stream = nullptr;
   int num_sms = 132;
@@ -62,11 +63,11 @@ void join_side(const Ctx& ctx);
 // ---- programmatic dependent launch (PDL, sm_90) ----------------------------------------------------------------
 // In the replayed decode step with the `pdl` switch on (Ctx::pdl), every kernel is launched with programmatic stream
 // serialization: it may start while its predecessor in the stream is still running. (Prefill runs without: there the
-// early-launched blocks of the next kernel cost the multi-wave GEMMs 6 % at 4K.) Every kernel therefore follows one rule: before pdl_wait() it only
-// reads memory that no kernel writes in the step before it (weights; a GDN layer's conv and recurrent state, which only
-// that layer's own kernel writes, one step earlier: an early launch never reaches back across a graph launch or a
-// launch without PDL), and it writes nothing. pdl_wait() returns once the predecessor grid has
-// completed and its writes are visible; without PDL both calls are no-ops. pdl_trigger() lets the successor launch
+// early-launched blocks of the next kernel cost the multi-wave GEMMs 6 % at 4K.) Every kernel therefore follows one
+// rule: before pdl_wait() it only reads memory that no kernel writes in the step before it (weights; a GDN layer's conv
+// and recurrent state, which only that layer's own kernel writes, one step earlier: an early launch never reaches back
+// across a graph launch or a launch without PDL), and it writes nothing. pdl_wait() returns once the predecessor grid
+// has completed and its writes are visible; without PDL both calls are no-ops. pdl_trigger() lets the successor launch
 // (once every block of this grid has called it or exited); kernels call it as early as possible.
 #ifdef LILY_STEP_TRACE
 // The decode-step probe (step_trace.h): this file's copy of the record buffer, registered with the host side.
