@@ -7,8 +7,9 @@
 # and a decode step under ncu), stalls (ncu's warp-state and memory sections for the Hopper GEMMs), dstalls (the same
 # for the decode step's GEMV and MoE kernels), trace (each kernel's share of the replayed decode step's critical path:
 # benchmarks/probes/step_trace.py, on a build made with TRACE=1), persist (benchmarks/probes/persist_probe.cu: one
-# persistent kernel against the graph of PDL kernels on chains of GEMVs), sanitize (memcheck + racecheck). PROFILE_ARGS go
-# to profile_step.py in profile and stalls (e.g. --prefix 28672: the 4096-token chunk that sees 28K earlier tokens).
+# persistent kernel, and a tensor-core GEMV, against the graph of PDL kernels on chains of GEMVs), sanitize (memcheck +
+# racecheck). PROFILE_ARGS go to profile_step.py in profile and stalls (e.g. --prefix 28672: the 4096-token chunk
+# that sees 28K earlier tokens).
 # Usage (device tool): bash benchmarks/h200.sh [tests|bench|ablate|agent|serve|profile|stalls|dstalls|trace|persist|sanitize]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,7 +77,8 @@ for step in $steps; do
                | tee "$OUT/trace_$L.txt" | head -20
            done ;;
     persist) # what a persistent decode kernel would buy over the graph of PDL kernels (benchmarks/probes/
-             # persist_probe.cu: chains of real-size 4-bit GEMVs, each variant checked, then timed)
+             # persist_probe.cu: chains of real-size 4-bit GEMVs, each variant checked, then timed; its `tc`
+             # variant is the tensor-core GEMV with K split over warps)
              nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc -o /tmp/persist benchmarks/probes/persist_probe.cu \
                && timeout 200 /tmp/persist 2>&1 | tee "$OUT/persist.txt" ;;
     sanitize) for tool in memcheck racecheck; do

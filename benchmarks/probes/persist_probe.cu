@@ -20,10 +20,11 @@
 //              loads its first unit of GEMV s + 1, then adds itself to s's counter (release) and waits until every
 //              block has (acquire), then stages x; the counters are zeroed by a memset node before it;
 //   persist2   the same with two units of GEMV s + 1 loaded before the wait;
-//   floor      persist2 without the counters: wrong outputs (not checked), the time of the loads and arithmetic alone.
-// Every checked variant runs the same arithmetic in the same order, so their outputs must agree bit for bit; each is
-// also checked against a plain fp32 reference kernel per GEMV (each row's dequantised dot, fed the variant's own
-// input, so errors do not compound), outputs poisoned with NaN first.
+//   floor      persist2 without the counters: wrong outputs (not checked), the time of the loads and arithmetic alone;
+//   tc         `pdl`'s launches with another unit of work: the tensor-core GEMV with K split over warps (below).
+// Every checked variant but `tc` runs the same arithmetic in the same order, so their outputs must agree bit for bit;
+// each is also checked against a plain fp32 reference kernel per GEMV (each row's dequantised dot, fed the variant's
+// own input, so errors do not compound), outputs poisoned with NaN first.
 //
 // Build and run (H200): nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc -o /tmp/persist benchmarks/probes/persist_probe.cu
 //                       /tmp/persist
@@ -214,6 +215,129 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) persist_kernel(const G
   }
 }
 
+// Variant `tc`: v12's open question asked on the same chain. Are the GEMVs issue-bound after their wait, so that the
+// tensor cores' fewer instructions per code pay once the K is split over warps (v12's `qmv_tc` gave each warp a whole
+// row tile, eight dependent steps, and lost: 6.9 → 10.5 µs)? One kernel per GEMV with PDL, as `pdl`. A block takes a
+// tile of 16 rows at a time (tile b, b + grid, …); warp w takes codes 256w .. 256w + 255 of it (the window: groups
+// 4w .. 4w + 3), so a warp's work per tile is 16 mmas. mma.sync m16n8k16: A = the 16 rows' codes as bf16 128 + q (one
+// lop3 per pair: exact), B column n = x where the code lies in the window's group n and zero elsewhere, so that
+// D[row][n] is the row's dot with group n alone and its scale applies after the products. Lane (g, c) loads rows g and
+// g + 8, chunks 8w + c and 8w + 4 + c (16 bytes each: the four c lanes read 64 contiguous bytes of a row); chunk
+// 8w + 4h + c lies in the window's group 2h + c/2, so lane (g, c) holds B's column g for the mmas of half h when
+// g = 2h + c/2 (x of its chunk, the pairs ordered as the codes'), zeros otherwise. The k order inside an mma is a
+// permutation both operands share. Per lane and tile: 4 loads of 16 bytes, 16 × 7 instructions turning codes into
+// pairs, 16 mmas, ~20 for the scales (v5's SIMT count: ~72 per 16-byte chunk, i.e. 1.6× the issue). Lanes (g, c < 2)
+// hold D's columns 2c, 2c + 1, the window's groups 2c and 2c + 1 of rows g and g + 8; the warps' partial sums meet in
+// shared memory, added in warp order. Not bitwise comparable with the SIMT variants (another order of additions):
+// checked against the reference only.
+struct TcTile {
+  uint4 q[4];         // rows g (chunks 8w + c, 8w + 4 + c), then row g + 8
+  uint32_t s[2], b[2];  // rows g, g + 8: the bf16 scales and biases of groups 4w + 2(c & 1) and the next
+};
+
+__device__ __forceinline__ void tc_load(const Gemv& g, int tile, int w, int r, int c, TcTile& T) {
+  constexpr int C = kK / 32, G = kK / 64;
+  const size_t row = size_t(tile) * 16 + r;
+  const uint4* q0 = g.w + row * C + 8 * w + c;
+  const uint4* q1 = q0 + 8 * C;
+  T.q[0] = __ldg(q0), T.q[1] = __ldg(q0 + 4), T.q[2] = __ldg(q1), T.q[3] = __ldg(q1 + 4);
+  const size_t gi = row * G + 4 * w + 2 * (c & 1);
+  T.s[0] = __ldg(reinterpret_cast<const uint32_t*>(g.s + gi));
+  T.b[0] = __ldg(reinterpret_cast<const uint32_t*>(g.b + gi));
+  T.s[1] = __ldg(reinterpret_cast<const uint32_t*>(g.s + gi + 8 * G));
+  T.b[1] = __ldg(reinterpret_cast<const uint32_t*>(g.b + gi + 8 * G));
+}
+
+// Codes p and p + 4 of word q as a bf16 pair 128 + q (the exponent of 128, the code in the low mantissa bits).
+__device__ __forceinline__ uint32_t tc_pair(uint32_t q, int p) { return ((q >> (4 * p)) & 0x000F000Fu) | 0x43004300u; }
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ void tc_tile(const Gemv& g, int tile, int w, int r, int c, const TcTile& T,
+                                        const uint32_t (&xb)[2][16], const float (&xs)[2], float (*part)[16]) {
+  float d[2][4] = {};  // even and odd mmas: two chains of 8
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t qa = word_of(T.q[h], i), qb = word_of(T.q[2 + h], i);  // rows r and r + 8
+      const uint32_t a0[4] = {tc_pair(qa, 0), tc_pair(qb, 0), tc_pair(qa, 1), tc_pair(qb, 1)};
+      const uint32_t a1[4] = {tc_pair(qa, 2), tc_pair(qb, 2), tc_pair(qa, 3), tc_pair(qb, 3)};
+      lily::cuda::mma_bf16(d[0], a0, xb[h][4 * i], xb[h][4 * i + 1]);
+      lily::cuda::mma_bf16(d[1], a1, xb[h][4 * i + 2], xb[h][4 * i + 3]);
+    }
+  // Lanes c < 2: rows r, r + 8 at the window's groups 2c, 2c + 1 (D columns 2c, 2c + 1). Lanes c ≥ 2 hold zero
+  // columns; they compute lane c − 2's scales and drop out at the pair sum below.
+  float p[2];
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    const float s0 = __uint_as_float(T.s[m] << 16), s1 = __uint_as_float(T.s[m] & 0xFFFF0000u);
+    const float b0 = __uint_as_float(T.b[m] << 16) - 128.0f * s0;
+    const float b1 = __uint_as_float(T.b[m] & 0xFFFF0000u) - 128.0f * s1;
+    const float e0 = d[0][2 * m] + d[1][2 * m], e1 = d[0][2 * m + 1] + d[1][2 * m + 1];
+    p[m] = fmaf(s0, e0, fmaf(b0, xs[0], fmaf(s1, e1, b1 * xs[1])));
+    p[m] += __shfl_xor_sync(0xFFFFFFFFu, p[m], 1);
+  }
+  if (c == 0) part[w][r] = p[0], part[w][r + 8] = p[1];
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    float v = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) v += part[k][threadIdx.x];
+    g.y[tile * 16 + threadIdx.x] = __bfloat16_as_ushort(__float2bfloat16(v));
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) tc_kernel(const Gemv param) {
+  static_assert(kK == 256 * kWarps, "a warp's window is 256 codes");
+  const Gemv g = param;
+  __shared__ float part[2][kWarps][16];  // by tile parity: one barrier per tile
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, r = lane >> 2, c = lane & 3, tiles = g.N / 16;
+  TcTile A, B;
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  int tile = blockIdx.x;
+  if (tile < tiles) tc_load(g, tile, w, r, c, A);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  uint32_t xb[2][16];
+  float sum = 0.0f;  // Σx of the lane's live chunk (a lane is live in one half at most)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const bool live = r == 2 * h + c / 2;
+    const uint4* src = reinterpret_cast<const uint4*>(g.x + (32 * (8 * w + 4 * h + c)) % g.xn);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 v = live ? __ldcg(src + i) : make_uint4(0, 0, 0, 0);  // x[8i .. 8i + 7] of the chunk
+      xb[h][4 * i] = __byte_perm(v.x, v.z, 0x5410);      // (x0, x4)
+      xb[h][4 * i + 1] = __byte_perm(v.x, v.z, 0x7632);  // (x1, x5)
+      xb[h][4 * i + 2] = __byte_perm(v.y, v.w, 0x5410);  // (x2, x6)
+      xb[h][4 * i + 3] = __byte_perm(v.y, v.w, 0x7632);  // (x3, x7)
+      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sum += __uint_as_float(u[k] << 16) + __uint_as_float(u[k] & 0xFFFF0000u);
+    }
+  }
+  // Σx of the window's group n: the live lanes (n, 2(n & 1)) and (n, 2(n & 1) + 1). Lane c keeps groups 2(c & 1), +1.
+  float v[4];
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int l = 4 * n + 2 * (n & 1);
+    v[n] = __shfl_sync(0xFFFFFFFFu, sum, l) + __shfl_sync(0xFFFFFFFFu, sum, l + 1);
+  }
+  const float xs[2] = {(c & 1) ? v[2] : v[0], (c & 1) ? v[3] : v[1]};
+  while (tile < tiles) {  // two tiles per trip, so that A and B swap roles without copies
+    const int t1 = tile + gridDim.x;
+    if (t1 < tiles) tc_load(g, t1, w, r, c, B);
+    tc_tile(g, tile, w, r, c, A, xb, xs, part[0]);
+    if (t1 >= tiles) break;
+    const int t2 = t1 + gridDim.x;
+    if (t2 < tiles) tc_load(g, t2, w, r, c, A);
+    tc_tile(g, t1, w, r, c, B, xb, xs, part[1]);
+    tile = t2;
+  }
+}
+
 // The reference: one warp per row, w = s·q + b formed per code, fp32 (mlx's dequantised dot, in another order).
 __global__ void ref_kernel(const Gemv g, uint16_t* y) {
   const int n = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -299,8 +423,8 @@ Chain make_chain(const char* name, const std::vector<std::pair<int, int>>& layer
   return ch;
 }
 
-enum Variant { kGraph, kPdl, kPdl2, kPersist, kPersist2, kFloor, kVariants };
-const char* kNames[kVariants] = {"graph", "pdl", "pdl2", "persist", "persist2", "floor"};
+enum Variant { kGraph, kPdl, kPdl2, kPersist, kPersist2, kFloor, kTc, kVariants };
+const char* kNames[kVariants] = {"graph", "pdl", "pdl2", "persist", "persist2", "floor", "tc"};
 
 // Lily's own launch (common.cuh: the PDL attribute when ctx.pdl), the grid sized as qmv.cu's launch_stream sizes it:
 // the resident blocks, or fewer when the GEMV has fewer units than warps.
@@ -310,6 +434,12 @@ void launch_gemv(cudaStream_t st, int grid, const Gemv& g, bool pdl, int pre) {
   ctx.pdl = pdl;
   grid = std::min(grid, (g.N / kRpu + kWarps - 1) / kWarps);
   lily::cuda::launch(ctx, pre == 2 ? gemv_kernel<2> : gemv_kernel<1>, grid, kThreads, 0, g);
+}
+void launch_tc(cudaStream_t st, int grid, const Gemv& g) {
+  lily::cuda::Ctx ctx;
+  ctx.stream = st;
+  ctx.pdl = true;
+  lily::cuda::launch(ctx, tc_kernel, std::min(grid, g.N / 16), kThreads, 0, g);
 }
 
 cudaGraphExec_t capture(cudaStream_t st, const Chain& ch, Variant v, int grid, unsigned* done) {
@@ -327,6 +457,8 @@ cudaGraphExec_t capture(cudaStream_t st, const Chain& ch, Variant v, int grid, u
     else
       persist_kernel<2><<<grid, kThreads, 0, st>>>(ch.dev, n, done);
     CHECK(cudaGetLastError());
+  } else if (v == kTc) {
+    for (const Gemv& gm : ch.gemvs) launch_tc(st, grid, gm);
   } else {
     for (const Gemv& gm : ch.gemvs) launch_gemv(st, grid, gm, v != kGraph, v == kPdl2 ? 2 : 1);
   }
@@ -344,7 +476,7 @@ float bf(uint16_t v) {
 }
 
 // Runs v once on poisoned outputs; checks every GEMV against the reference fed the variant's own input, and the
-// outputs bit for bit against `first` (the first variant's). Returns false on a failure.
+// outputs bit for bit against `first` (the first variant's) unless v is `tc`. Returns false on a failure.
 bool check(cudaStream_t st, const Chain& ch, cudaGraphExec_t ge, Variant v, std::vector<uint16_t>& first) {
   CHECK(cudaMemsetAsync(ch.ys, 0xFF, ch.y_elems * 2, st));  // bf16 NaN
   CHECK(cudaGraphLaunch(ge, st));
@@ -382,6 +514,10 @@ bool check(cudaStream_t st, const Chain& ch, cudaGraphExec_t ge, Variant v, std:
     std::printf("FAIL %s %s: relative error %.3g against the reference\n", ch.name, kNames[v], worst);
     return false;
   }
+  if (v == kTc) {
+    std::printf("ok   %-6s %-9s worst relative error %.2e\n", ch.name, kNames[v], worst);
+    return true;
+  }
   if (first.empty()) {
     first = out;
   } else if (out != first) {
@@ -402,7 +538,10 @@ int main() {
   CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, persist_kernel<2>, kThreads, 0));
   int occ1 = 0;
   CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ1, persist_kernel<1>, kThreads, 0));
+  int occ_tc = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_tc, tc_kernel, kThreads, 0));
   occ = std::min({occ, occ1, kBlocksPerSm});
+  if (occ_tc < occ) std::printf("note: tc_kernel fits %d blocks per SM, not %d\n", occ_tc, occ);
   if (occ < 1) {
     std::printf("FAIL: the persistent kernel does not fit an SM\n");
     return 1;
