@@ -95,12 +95,17 @@ class Runner {
   void* scratch(size_t n) { return alloc(n); }
   QMatrix q(const std::string& k, int E) {
     Array w = input(k + ".w"), s = input(k + ".scales");
+    LILY_CHECK(w.ndim() >= 2 && s.ndim() >= 2, "run_op: ", k, ".w and ", k, ".scales must have a row dimension");
     QMatrix m;
     m.E = E > 0 ? E : 1;
     m.N = int(w.shape(w.ndim() - 2));
     m.K = nb::cast<int>(params_[(k + ".K").c_str()]);
-    m.bits = int(32 * w.shape(w.ndim() - 1) / m.K);
-    m.group = int(m.K / s.shape(s.ndim() - 1));
+    const size_t words = w.shape(w.ndim() - 1), groups = s.shape(s.ndim() - 1);
+    LILY_CHECK(m.K > 0 && groups > 0 && m.K % groups == 0 && words * 32 % m.K == 0, "run_op: ", k, " has K=", m.K,
+               ", ", words, " words and ", groups, " scales per row: no whole group size (K / scales) and bit width ",
+               "(32·words / K)");
+    m.bits = int(32 * words / m.K);
+    m.group = int(m.K / groups);
     m.w = static_cast<const uint32_t*>(raw(k + ".w"));
     m.scales = static_cast<const uint16_t*>(raw(k + ".scales"));
     m.biases = static_cast<const uint16_t*>(raw(k + ".biases"));

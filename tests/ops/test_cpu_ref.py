@@ -131,3 +131,13 @@ def test_cpu_op_matches_float64(case):
         g = got[name].reshape(want.shape)
         err = np.abs(g - want).max() / np.abs(scales.get(name, want)).max()
         assert err < 1e-5, f"{case.id}/{name}: max|Δ| / max|scale| = {err:.2e}"
+
+
+@pytest.mark.parametrize("cols", [0, 3])
+def test_run_op_names_a_quantized_input_without_a_group_size(cols):
+    """A matrix whose scales give no whole group size (none per row, or K not a multiple of their count) is refused
+    with its name, not divided by."""
+    params, inputs = make(Case("qmm", dict(T=1, N=4, K=64)), np.random.default_rng())
+    inputs["W.scales"] = inputs["W.scales"][:, :1].repeat(cols, axis=1)
+    with pytest.raises(ValueError, match="run_op: W has K=64"):
+        _core.testing.run_op("cpu", "qmm", params, inputs)
