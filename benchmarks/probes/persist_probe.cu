@@ -20,6 +20,7 @@
 //              loads its first unit of GEMV s + 1, then adds itself to s's counter (release) and waits until every
 //              block has (acquire), then stages x; the counters are zeroed by a memset node before it;
 //   persist2   the same with two units of GEMV s + 1 loaded before the wait;
+//   flags      persist2 with a flag per block and GEMV instead of one counter (no atomics on one address);
 //   floor      persist2 without the counters: wrong outputs (not checked), the time of the loads and arithmetic alone;
 //   tc         `pdl`'s launches with another unit of work: the tensor-core GEMV with K split over warps (below).
 // Every checked variant but `tc` runs the same arithmetic in the same order, so their outputs must agree bit for bit;
@@ -186,9 +187,11 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   return v;
 }
 
-// WAIT false (variant `floor`): no counters at all, so a block reads x whatever its state: wrong outputs, but the time
-// of the chain's loads and arithmetic alone, the floor any ordering between the GEMVs can reach.
-template <int PRE, bool WAIT = true>
+// WAIT 0 (variant `floor`): no counters at all, so a block reads x whatever its state: wrong outputs, but the time
+// of the chain's loads and arithmetic alone, the floor any ordering between the GEMVs can reach. WAIT 1: one counter
+// per GEMV that every block adds itself to (264 atomics on one address). WAIT 2 (variant `flags`): a flag per block
+// and GEMV (done[s·grid + b], released by a plain store), which warp 0 of a waiting block polls 32 at a time.
+template <int PRE, int WAIT = 1>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) persist_kernel(const Gemv* chain, int n, unsigned* done) {
   __shared__ float4 xs[kK / 4];
   __shared__ float xsum[kK / 32];
@@ -197,10 +200,20 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) persist_kernel(const G
   preload<PRE>(chain[0], u, warps, lane, A, B);
   for (int s = 0; s < n; ++s) {
     const Gemv g = chain[s];
-    if (WAIT && s > 0) {  // every block has written GEMV s − 1's rows
+    if (WAIT == 1 && s > 0) {  // every block has written GEMV s − 1's rows
       if (threadIdx.x == 0)
         while (ld_acquire(done + s - 1) < gridDim.x) {
         }
+      __syncthreads();
+    }
+    if (WAIT == 2 && s > 0) {
+      if (threadIdx.x < 32) {
+        const unsigned* f = done + size_t(s - 1) * gridDim.x;
+        for (int b = threadIdx.x; b < int(gridDim.x); b += 32)
+          while (ld_acquire(f + b) == 0) {
+          }
+        __syncwarp();
+      }
       __syncthreads();
     }
     stage_x(g, xs, xsum);
@@ -208,9 +221,14 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) persist_kernel(const G
     run_units(g, u, warps, lane, A, B, PRE == 2, xs, xsum);
     if (s + 1 < n) preload<PRE>(chain[s + 1], u, warps, lane, A, B);  // weights: no dependency
     __syncthreads();  // the block's rows written, and its x reads done
-    if (WAIT && threadIdx.x == 0) {
+    if (WAIT == 1 && threadIdx.x == 0) {
       __threadfence();
       atomicAdd(done + s, 1u);
+    }
+    if (WAIT == 2 && threadIdx.x == 0) {
+      __threadfence();
+      asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(done + size_t(s) * gridDim.x + blockIdx.x), "r"(1u)
+                   : "memory");
     }
   }
 }
@@ -368,12 +386,13 @@ __global__ void fill_codes(uint4* w, size_t n, uint64_t seed) {
     w[i] = make_uint4(uint32_t(a), uint32_t(a >> 32), uint32_t(b), uint32_t(b >> 32));
   }
 }
-// Scales (0.5 + u)/√(23·K), so that y keeps x's magnitude; biases −(7.5 + u)·s (codes average 7.5).
+// Scales (0.5 + u)/√(23·K), so that y keeps x's magnitude; biases −(7 + u)·s, so that w = s·q + b averages zero over
+// codes averaging 7.5 (a mean left in w would multiply x's mean by ~K·|mean w| a GEMV and overflow the chain).
 __global__ void fill_groups(uint16_t* s, uint16_t* b, size_t n, int K, uint64_t seed) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const float sc = (0.5f + unit_float(mix(seed ^ (2 * i)))) / sqrtf(23.0f * K);
     s[i] = __bfloat16_as_ushort(__float2bfloat16(sc));
-    b[i] = __bfloat16_as_ushort(__float2bfloat16(-(7.5f + unit_float(mix(seed ^ (2 * i + 1)))) * sc));
+    b[i] = __bfloat16_as_ushort(__float2bfloat16(-(7.0f + unit_float(mix(seed ^ (2 * i + 1)))) * sc));
   }
 }
 __global__ void fill_x(uint16_t* x, int n, uint64_t seed) {
@@ -423,8 +442,8 @@ Chain make_chain(const char* name, const std::vector<std::pair<int, int>>& layer
   return ch;
 }
 
-enum Variant { kGraph, kPdl, kPdl2, kPersist, kPersist2, kFloor, kTc, kVariants };
-const char* kNames[kVariants] = {"graph", "pdl", "pdl2", "persist", "persist2", "floor", "tc"};
+enum Variant { kGraph, kPdl, kPdl2, kPersist, kPersist2, kFlags, kFloor, kTc, kVariants };
+const char* kNames[kVariants] = {"graph", "pdl", "pdl2", "persist", "persist2", "flags", "floor", "tc"};
 
 // Lily's own launch (common.cuh: the PDL attribute when ctx.pdl), the grid sized as qmv.cu's launch_stream sizes it:
 // the resident blocks, or fewer when the GEMV has fewer units than warps.
@@ -448,7 +467,11 @@ cudaGraphExec_t capture(cudaStream_t st, const Chain& ch, Variant v, int grid, u
   CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
   const int n = int(ch.gemvs.size());
   if (v == kFloor) {
-    persist_kernel<2, false><<<grid, kThreads, 0, st>>>(ch.dev, n, done);
+    persist_kernel<2, 0><<<grid, kThreads, 0, st>>>(ch.dev, n, done);
+    CHECK(cudaGetLastError());
+  } else if (v == kFlags) {
+    CHECK(cudaMemsetAsync(done, 0, sizeof(unsigned) * n * grid, st));
+    persist_kernel<2, 2><<<grid, kThreads, 0, st>>>(ch.dev, n, done);
     CHECK(cudaGetLastError());
   } else if (v == kPersist || v == kPersist2) {
     CHECK(cudaMemsetAsync(done, 0, sizeof(unsigned) * n, st));
@@ -550,7 +573,7 @@ int main() {
   cudaStream_t st;
   CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   unsigned* done;
-  CHECK(cudaMalloc(&done, sizeof(unsigned) * 256));
+  CHECK(cudaMalloc(&done, sizeof(unsigned) * 256 * grid));  // a flag per block and GEMV (variant flags)
   std::vector<Chain> chains;
   chains.push_back(make_chain("layer", {{12352, kK}, {4096, kK}, {512, kK}, {9216, kK}, {4096, kK}}, 40,
                               kK, 11));
