@@ -61,6 +61,9 @@ const std::vector<OptInfo>& optimisation_table() {
        "decode MoE (with route_fused): each routed warp / simdgroup picks the top-k on the router logits, which the softmax keeps "
        "in order, by a three-level tree over its lane's candidates, and only the weights take the softmax, instead of "
        "the softmax of every logit before rounds that scan each lane's candidates in a chain"},
+      {Opt::attn_short_splits, "attn_short_splits", "cuda",
+       "decode attention: key splits of at least 64 keys instead of 256, so that a short context fills the SMs (at "
+       "4K, 66 splits instead of 17)"},
   };
   return table;
 }

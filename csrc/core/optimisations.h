@@ -62,6 +62,8 @@ enum class Opt : int {
   route_logits,      // CUDA, Metal: the decode MoE routing inside the gate+up kernel (route_fused) picks the top-k on the
                      //   router logits (softmax is monotonic) by a tree per lane, the softmax only for the picked
                      //   weights, instead of rounds over the probabilities
+  attn_short_splits, // CUDA: decode attention's key splits at least kMinDecodeSplitKeys (64) keys long instead of 256,
+                     //   so that a short context fills the SMs (4K: 66 splits of 64 keys instead of 17 of 256)
   kCount
 };
 
