@@ -80,7 +80,7 @@ def _edit_config(model_dir: Path, edit) -> Path:
 ])
 def test_missing_tensor(bad_dir, refused, name, fragments):
     _edit_shard(bad_dir, lambda t: t.pop("language_model." + name))
-    refused(bad_dir, ValueError, *fragments)
+    refused(bad_dir, ValueError, bad_dir, *fragments)  # the checkpoint named too
 
 
 def test_missing_quantized_module(bad_dir, refused):

@@ -255,8 +255,8 @@ class OpenAI:
             return []
 
         def entry(token: int, logprob: float) -> dict:
-            text = self.srv.engine.token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            engine = self.srv.engine
+            return {"token": engine.token_text(token), "logprob": logprob, "bytes": list(engine.token_bytes(token))}
 
         return [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top_logprobs]}]
 
