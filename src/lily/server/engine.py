@@ -282,10 +282,10 @@ class Engine:
     def _last_turn_start(self, ids: list[int]) -> int:
         """The position just after the last `<|im_start|>` in `ids` (the generation prompt's, in a chat prompt), or
         0 if there is none."""
-        for i in range(len(ids) - 1, -1, -1):
-            if ids[i] == self._turn_start:
-                return i + 1
-        return 0
+        try:
+            return len(ids) - ids[::-1].index(self._turn_start)
+        except ValueError:
+            return 0
 
     def _watch(self, job: Job) -> Callable[[int, int], None]:
         """A prefill progress callback that stops the prefill (_Cancelled) once the job is cancelled."""
