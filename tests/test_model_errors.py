@@ -199,6 +199,13 @@ def test_unknown_backend(good_dir, refused):
         assert backend in message
 
 
+def test_a_prompt_past_the_context_is_a_context_limit_error(good_dir, prompt):
+    """Its own type (a ValueError), which `lily chat` tells from other errors to drop the message and go on."""
+    session = lily.load(good_dir).session(max_context=16)
+    with pytest.raises(lily.ContextLimitError, match="exceeds the context limit"):
+        lily.generate(session.model, (prompt * 3)[:17], session=session, max_tokens=2)
+
+
 def test_prompt_longer_than_context_limit(good_dir, prompt, expected_text):
     model = lily.load(good_dir)
     session = model.session(max_context=16)

@@ -237,7 +237,7 @@ void Session::reset() {
   pos_dev_valid_ = false;
 }
 
-void Session::check_room(int n) const {  // `lily chat` tells this error by its phrase "exceeds the context limit"
+void Session::check_room(int n) const {
   const int pos = pos_;
   LILY_CHECK(n >= 0 && int64_t(pos) + n <= max_context_, "prompt of ", n, " tokens",
              pos ? cat(" (after ", pos, " tokens already in the session)") : std::string(),

@@ -10,7 +10,7 @@ import time
 
 from lily.backend import resolve_backend, unusable_gpus
 from lily.generate import stream_generate
-from lily.model import load
+from lily.model import ContextLimitError, load
 from lily.sampling import SamplingParams
 
 SAMPLING_FLAGS = (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
@@ -333,9 +333,7 @@ def cmd_chat(args) -> int:
         turn = messages + [{"role": "user", "content": line}]
         try:
             reply, interrupted = _run(model, session, turn, args, stats=args.stats)
-        except ValueError as e:  # the context is full (Session::check_room, before anything is read): the chat goes
-            if "exceeds the context limit" not in str(e):  # on; any other error ends it
-                raise
+        except ContextLimitError as e:  # refused before anything was read: the chat goes on
             print(f"lily: {e}\n[that message is dropped; /reset starts a new conversation]", file=sys.stderr)
             continue
         if interrupted == "prefill":

@@ -12,7 +12,7 @@ import numpy as np
 
 from lily import _core
 from lily.conversation import Conversation, reply_end, turn_end_id
-from lily.model import Model, Session, SessionConflictError, as_tokens
+from lily.model import ContextLimitError, Model, Session, SessionConflictError, as_tokens
 from lily.sampling import SamplingParams
 
 FINISH = {0: None, 1: "stop", 2: "length"}
@@ -105,7 +105,10 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
             raise ValueError("the prompt is empty: it must contain at least one token")
         cached = session.reuse(prompt_ids)
         new = prompt_ids[cached:]
-        session.core.check_room(len(new))
+        try:
+            session.core.check_room(len(new))
+        except ValueError as e:
+            raise ContextLimitError(str(e)) from None
         model.core.reset_peak_memory()
 
         gen = _core.Generator(session.core, params.to_core(), model.eos_token_ids, params.max_tokens, model.n_valid)

@@ -12,6 +12,11 @@ import numpy as np
 
 from lily import _core
 from lily._core import SessionConflictError
+
+
+class ContextLimitError(ValueError):
+    """A prompt that does not fit in the session's context limit (after what the session already holds): refused
+    before anything is read, with the session unchanged."""
 from lily.backend import resolve_backend
 from lily.conversation import Conversation
 from lily.loader import Checkpoint, load_checkpoint
@@ -89,8 +94,8 @@ class Model:
         try:
             self.core: _core.Model = _core.Model(core_config, ckpt.tensors, ckpt.files, resolve_backend(backend),
                                     {str(f.path): f.view for f in ckpt.mapped}, disabled_optimisations(disable))
-        except ValueError as e:
-            if ckpt.model_dir is not None and str(e).startswith("checkpoint is missing"):  # name the checkpoint
+        except ValueError as e:  # the checkpoint named, where the core's message does not already
+            if type(e) is ValueError and ckpt.model_dir is not None and str(ckpt.model_dir) not in str(e):
                 raise ValueError(f"{ckpt.model_dir}: {e}") from None
             raise
         self.backend: str = self.core.backend
