@@ -186,6 +186,11 @@ BAD_REQUESTS = [
     ("n", chat_body(n=2), 400, "n", None),
     ("tool-choice-required", chat_body(tools=[WEATHER], tool_choice="required"), 400, "tool_choice", None),
     ("bad-tool", chat_body(tools=[{"type": "function"}]), 400, "tools[0]", None),
+    ("tool-parameters-not-object", chat_body(tools=[{"type": "function", "function": {"name": "f",
+                                                                                    "parameters": "notobj"}}]),
+     400, "tools[0].function.parameters", None),
+    ("text-part-without-text", chat_body(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400,
+     "messages[0].content", None),
     ("bad-arguments", chat_body(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]), 400,
      "messages[1].tool_calls[0].function.arguments", None),

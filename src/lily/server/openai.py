@@ -85,6 +85,8 @@ def _tools(body: dict) -> list[dict] | None:
                 not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": …}}}}",
                                param=f"tools[{i}]")
+        field(fn, "description", (str,), f"tools[{i}].function.")
+        field(fn, "parameters", (dict,), f"tools[{i}].function.")  # a JSON schema
     choice = body.get("tool_choice", "auto")
     if choice not in ("auto", "none", None):
         raise RequestError(f"tool_choice {choice!r} is not supported: only 'auto' and 'none' (Lily does not "

@@ -256,7 +256,10 @@ def text_content(content, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise RequestError(f"'{where}[{j}].text' must be a string, got {json_type(part.get('text'))}",
+                                   param=where)
+            if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else json_type(part)
                 raise RequestError(f"'{where}[{j}]': content parts of type {kind!r} are not supported (text only)",
                                    param=where)
