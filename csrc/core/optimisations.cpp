@@ -64,6 +64,9 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::attn_short_splits, "attn_short_splits", "cuda",
        "decode attention: key splits of at least 64 keys instead of 256, so that a short context fills the SMs (at "
        "4K, 66 splits instead of 17)"},
+      {Opt::attn_simdgroup, "attn_simdgroup", "metal",
+       "prefill attention with its two products (Q·Kᵀ, P·V) on simdgroup matrices, the keys and values staged as fp32 "
+       "tiles, instead of scalar fp32 dot products over the same tiles"},
   };
   return table;
 }

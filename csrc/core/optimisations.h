@@ -64,6 +64,9 @@ enum class Opt : int {
                      //   weights, instead of rounds over the probabilities
   attn_short_splits, // CUDA: decode attention's key splits at least kMinDecodeSplitKeys (64) keys long instead of 256,
                      //   so that a short context fills the SMs (4K: 66 splits of 64 keys instead of 17 of 256)
+  attn_simdgroup,    // Metal: prefill attention (from ATTN_SG_MIN_ROWS packed rows per kv head) with Q·Kᵀ and P·V
+                     //   on simdgroup matrices (metal/attention.metal attn_sg) instead of scalar fp32 tiles. CUDA's
+                     //   prefill attention is on tensor cores already (attention.cu attn_mma_kernel, attn_wgmma)
   kCount
 };
 
