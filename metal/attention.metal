@@ -22,8 +22,9 @@
 // Mapping  attn_prep: one simdgroup per (token, q head or kv head), 4 per threadgroup; simd_sum for the norm; a lane
 //          owns dims lane + 32u, with both dims of a rotation pair (i, i+R/2) for i < R/2. θ_i come from the host.
 //          attn_main_hd<HD> (S = 1) / attn_split_hd<HD> (S > 1): grid (row tiles, NKV, S), 128 threads. A threadgroup
-//          owns BM packed rows of one kv head (attn_bm: 16 at HD=256, else 32) and one key block; Q sits in
-//          threadgroup memory (fp32, pre-scaled), key tiles of BC keys (attn_bc: 8/16/32) of K and V as bf16 (K rows
+//          owns BM packed rows of one kv head (attn_bm: 16 at HD=256, else 32; the decode tile _r8, switch
+//          attn_decode_tile: 8, which a token's G = 8 heads fill) and one key block; Q sits in threadgroup memory
+//          (fp32, pre-scaled), key tiles of BC keys (attn_bc: 8/16/32; 16 for _r8) of K and V as bf16 (K rows
 //          padded by 8 bytes against bank conflicts). Per tile, Q·Kᵀ: thread (key j = tid mod BC, rows tid/BC +
 //          i·128/BC) scores its key against its rows and stores the masked scores; then P·V: thread (row tid/TPR,
 //          float4 chunks tr + TPR·u of O, TPR = 128/BM) takes its row's max over the tile, rescales its O chunks and
@@ -52,7 +53,9 @@
 // History  v1: scalar fp32 tiles in threadgroup memory (the CPU harness runs it at reference cost).
 //          v2 (2026-12-05): prefill's products on simdgroup_float8x8 (attn_sg, switch attn_simdgroup). Per tile and
 //          simdgroup at HD = 256: 16 + 16 products of 8×8×8 (+ 16 for a moved max) against 4 barriers and 32 staged
-//          elements per thread. Neither version is timed on Apple hardware yet (benchmarks/NOTES.md, Metal).
+//          elements per thread. Decode on a tile of 8 rows (attn_decode_tile): the prefill tile of 16 rows at
+//          HD = 256 scored and accumulated 8 padding rows for a token's 8 heads, twice the work per key. Neither
+//          version is timed on Apple hardware yet (benchmarks/NOTES.md, Metal).
 #include "common.h"
 #include "attention_args.h"
 
@@ -154,12 +157,13 @@ inline void attn_load_tile(threadgroup uint2* dst, device const ushort* cache, i
   }
 }
 
-template <int HD, bool SPLIT>
+template <int HD, bool SPLIT, bool DEC>
 inline void attn_impl(constant AttnMainArgs& a, int pos0, device const float* q, device const ushort* k_cache,
                       device const ushort* v_cache, device const ushort* qg, device ushort* out, device float* part,
                       threadgroup float4* qs, threadgroup uint2* ks, threadgroup uint2* vs, threadgroup float* ss,
                       uint3 tg, uint3 ntg, uint tid) {
-  constexpr int BM = attn_bm(HD), BC = attn_bc(HD), NT = ATTN_NT, C4 = HD / 4, KLD = C4 + 1;
+  constexpr int BM = attn_bm(HD, DEC), BC = attn_bc(HD, DEC), NT = ATTN_NT, C4 = HD / 4, KLD = C4 + 1;
+  static_assert(NT / BM <= C4 && BM * BC % NT == 0, "P·V: a row's threads each own a float4 of O; whole scores");
   constexpr int EPT = BM * BC / NT, RSTEP = NT / BC;  // scores per thread; row step between them
   constexpr int TPR = NT / BM, CPT = C4 / TPR;        // threads per row in P·V; float4 chunks of O per thread
   const int G = a.G, nrows = a.T * a.G, kvh = int(tg.y), split = int(tg.z);
@@ -250,7 +254,7 @@ inline void attn_impl(constant AttnMainArgs& a, int pos0, device const float* q,
 }
 
 // S == 1: the gated output directly.
-template <int HD>
+template <int HD, bool DEC>
 [[kernel]] void attn_main(
     constant AttnMainArgs& args [[buffer(0)]],
     device const int* pos [[buffer(1)]],
@@ -262,15 +266,15 @@ template <int HD>
     uint3 tg [[threadgroup_position_in_grid]],
     uint3 ntg [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
-  threadgroup float4 qs[attn_bm(HD) * HD / 4];
-  threadgroup uint2 ks[attn_bc(HD) * (HD / 4 + 1)];
-  threadgroup uint2 vs[attn_bc(HD) * HD / 4];
-  threadgroup float ss[attn_bm(HD) * attn_bc(HD)];
-  attn_impl<HD, false>(args, pos[0], q, k_cache, v_cache, qg, out, nullptr, qs, ks, vs, ss, tg, ntg, tid);
+  threadgroup float4 qs[attn_bm(HD, DEC) * HD / 4];
+  threadgroup uint2 ks[attn_bc(HD, DEC) * (HD / 4 + 1)];
+  threadgroup uint2 vs[attn_bc(HD, DEC) * HD / 4];
+  threadgroup float ss[attn_bm(HD, DEC) * attn_bc(HD, DEC)];
+  attn_impl<HD, false, DEC>(args, pos[0], q, k_cache, v_cache, qg, out, nullptr, qs, ks, vs, ss, tg, ntg, tid);
 }
 
 // S > 1: fp32 partials (O, m, l) of key block z, merged by attn_combine.
-template <int HD>
+template <int HD, bool DEC>
 [[kernel]] void attn_split(
     constant AttnMainArgs& args [[buffer(0)]],
     device const int* pos [[buffer(1)]],
@@ -281,11 +285,11 @@ template <int HD>
     uint3 tg [[threadgroup_position_in_grid]],
     uint3 ntg [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
-  threadgroup float4 qs[attn_bm(HD) * HD / 4];
-  threadgroup uint2 ks[attn_bc(HD) * (HD / 4 + 1)];
-  threadgroup uint2 vs[attn_bc(HD) * HD / 4];
-  threadgroup float ss[attn_bm(HD) * attn_bc(HD)];
-  attn_impl<HD, true>(args, pos[0], q, k_cache, v_cache, nullptr, nullptr, part, qs, ks, vs, ss, tg, ntg, tid);
+  threadgroup float4 qs[attn_bm(HD, DEC) * HD / 4];
+  threadgroup uint2 ks[attn_bc(HD, DEC) * (HD / 4 + 1)];
+  threadgroup uint2 vs[attn_bc(HD, DEC) * HD / 4];
+  threadgroup float ss[attn_bm(HD, DEC) * attn_bc(HD, DEC)];
+  attn_impl<HD, true, DEC>(args, pos[0], q, k_cache, v_cache, nullptr, nullptr, part, qs, ks, vs, ss, tg, ntg, tid);
 }
 
 // ---- attn_sg / attn_sg_split (switch attn_simdgroup): the same tiles on simdgroup matrices ----------
@@ -555,14 +559,20 @@ template <int HD>
   for (int e = 0; e < 4; ++e) dst[e] = float_to_bf16(ov[e] / Lx * sigmoid_f(bf16_to_float(gate[e])));
 }
 
-template [[host_name("attn_main_hd32")]] [[kernel]] decltype(attn_main<32>) attn_main<32>;
-template [[host_name("attn_main_hd64")]] [[kernel]] decltype(attn_main<64>) attn_main<64>;
-template [[host_name("attn_main_hd128")]] [[kernel]] decltype(attn_main<128>) attn_main<128>;
-template [[host_name("attn_main_hd256")]] [[kernel]] decltype(attn_main<256>) attn_main<256>;
-template [[host_name("attn_split_hd32")]] [[kernel]] decltype(attn_split<32>) attn_split<32>;
-template [[host_name("attn_split_hd64")]] [[kernel]] decltype(attn_split<64>) attn_split<64>;
-template [[host_name("attn_split_hd128")]] [[kernel]] decltype(attn_split<128>) attn_split<128>;
-template [[host_name("attn_split_hd256")]] [[kernel]] decltype(attn_split<256>) attn_split<256>;
+template [[host_name("attn_main_hd32")]] [[kernel]] decltype(attn_main<32, false>) attn_main<32, false>;
+template [[host_name("attn_main_hd64")]] [[kernel]] decltype(attn_main<64, false>) attn_main<64, false>;
+template [[host_name("attn_main_hd64_r8")]] [[kernel]] decltype(attn_main<64, true>) attn_main<64, true>;
+template [[host_name("attn_main_hd128")]] [[kernel]] decltype(attn_main<128, false>) attn_main<128, false>;
+template [[host_name("attn_main_hd128_r8")]] [[kernel]] decltype(attn_main<128, true>) attn_main<128, true>;
+template [[host_name("attn_main_hd256")]] [[kernel]] decltype(attn_main<256, false>) attn_main<256, false>;
+template [[host_name("attn_main_hd256_r8")]] [[kernel]] decltype(attn_main<256, true>) attn_main<256, true>;
+template [[host_name("attn_split_hd32")]] [[kernel]] decltype(attn_split<32, false>) attn_split<32, false>;
+template [[host_name("attn_split_hd64")]] [[kernel]] decltype(attn_split<64, false>) attn_split<64, false>;
+template [[host_name("attn_split_hd64_r8")]] [[kernel]] decltype(attn_split<64, true>) attn_split<64, true>;
+template [[host_name("attn_split_hd128")]] [[kernel]] decltype(attn_split<128, false>) attn_split<128, false>;
+template [[host_name("attn_split_hd128_r8")]] [[kernel]] decltype(attn_split<128, true>) attn_split<128, true>;
+template [[host_name("attn_split_hd256")]] [[kernel]] decltype(attn_split<256, false>) attn_split<256, false>;
+template [[host_name("attn_split_hd256_r8")]] [[kernel]] decltype(attn_split<256, true>) attn_split<256, true>;
 template [[host_name("attn_sg_hd32")]] [[kernel]] decltype(attn_sg<32>) attn_sg<32>;
 template [[host_name("attn_sg_hd64")]] [[kernel]] decltype(attn_sg<64>) attn_sg<64>;
 template [[host_name("attn_sg_hd128")]] [[kernel]] decltype(attn_sg<128>) attn_sg<128>;

@@ -10,8 +10,11 @@
 
 // attn_main tile: BM packed query rows (row r = t·G + j of one kv head) against key tiles of BC keys. Q (fp32) + the
 // K, V tiles (bf16) + the scores stay under Apple's 32 KB of threadgroup memory: 24.6 KB at HD = 256, 26.1 KB at 128.
-constexpr int attn_bm(int hd) { return hd == 256 ? 16 : 32; }
-constexpr int attn_bc(int hd) { return hd == 256 ? 8 : hd == 128 ? 16 : 32; }
+// The decode tile (switch attn_decode_tile: at most ATTN_DECODE_BM packed rows per kv head, HD ≥ 64) is 8 rows and
+// 16 keys, so that no thread scores or accumulates rows past the token's G query heads: 25.2 KB at HD = 256.
+#define ATTN_DECODE_BM 8
+constexpr int attn_bm(int hd, bool decode) { return decode ? ATTN_DECODE_BM : hd == 256 ? 16 : 32; }
+constexpr int attn_bc(int hd, bool decode) { return decode ? 16 : hd == 256 ? 8 : hd == 128 ? 16 : 32; }
 
 // attn_simdgroup tile (switch attn_simdgroup, prefill): ATTN_SG_BM packed rows as 4 blocks of 8, each block's scores
 // and output split over two simdgroups by head-dim half; key tiles of attn_sg_bc keys staged as fp32 (Kᵀ and V), so

@@ -67,6 +67,9 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::attn_simdgroup, "attn_simdgroup", "metal",
        "prefill attention with its two products (Q·Kᵀ, P·V) on simdgroup matrices, the keys and values staged as fp32 "
        "tiles, instead of scalar fp32 dot products over the same tiles"},
+      {Opt::attn_decode_tile, "attn_decode_tile", "metal",
+       "decode attention (at most 8 packed query rows per kv head) on a tile of 8 rows and 16 keys instead of the "
+       "prefill tile of 16 or 32 rows, so that no thread works for rows past the token's query heads"},
   };
   return table;
 }

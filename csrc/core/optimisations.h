@@ -67,6 +67,10 @@ enum class Opt : int {
   attn_simdgroup,    // Metal: prefill attention (from ATTN_SG_MIN_ROWS packed rows per kv head) with Q·Kᵀ and P·V
                      //   on simdgroup matrices (metal/attention.metal attn_sg) instead of scalar fp32 tiles. CUDA's
                      //   prefill attention is on tensor cores already (attention.cu attn_mma_kernel, attn_wgmma)
+  attn_decode_tile,  // Metal: decode attention (≤ ATTN_DECODE_BM packed rows per kv head, HD ≥ 64) on a tile of 8 rows
+                     //   and 16 keys instead of the prefill tile of 16 or 32 rows, whose rows past the token's G
+                     //   query heads are scored and accumulated for nothing. CUDA's decode packs the G rows into
+                     //   tensor-core tiles (attention.cu)
   kCount
 };
 

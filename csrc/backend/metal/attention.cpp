@@ -1,7 +1,9 @@
 // attention.cpp: the Metal launcher of the gated full-attention mixer (metal/attention.metal, whose header gives the
 // math, the mapping and the split rule). attn_prep, then attn_main_hd<HD> (or attn_split_hd<HD> + attn_combine); with
 // the switch attn_simdgroup and at least ATTN_SG_MIN_ROWS packed rows per kv head, attn_sg_hd<HD> (or
-// attn_sg_split_hd<HD>) in their place: the same splits, partials and combine, another row tile.
+// attn_sg_split_hd<HD>) in their place: the same splits, partials and combine, another row tile. With the switch
+// attn_decode_tile, a call of at most ATTN_DECODE_BM packed rows per kv head (decode) takes attn_main_hd<HD>_r8 (or
+// attn_split_hd<HD>_r8): the scalar kernel on a tile of 8 rows and 16 keys.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -64,7 +66,8 @@ void attention(Encoder& enc, const Optimisations& opts, const AttnArgs& a, const
 
   // 2. attention. Split sizes use host values only: with pos_dev they come from cache_cap, never the position.
   const bool sg = opts.on(Opt::attn_simdgroup) && int64_t(a.T) * G >= ATTN_SG_MIN_ROWS;
-  const int BM = sg ? ATTN_SG_BM : attn_bm(a.HD), BC = sg ? attn_sg_bc(a.HD) : attn_bc(a.HD);
+  const bool dec = opts.on(Opt::attn_decode_tile) && int64_t(a.T) * G <= ATTN_DECODE_BM && a.HD >= 64;
+  const int BM = sg ? ATTN_SG_BM : attn_bm(a.HD, dec), BC = sg ? attn_sg_bc(a.HD) : attn_bc(a.HD, dec);
   const unsigned threads = sg ? ATTN_SG_NT : ATTN_NT;
   const int row_tiles = int((int64_t(a.T) * G + BM - 1) / BM);
   const int64_t groups = int64_t(row_tiles) * a.NKV;
@@ -82,7 +85,7 @@ void attention(Encoder& enc, const Optimisations& opts, const AttnArgs& a, const
     ma.S = int(splits(block));
     ma.block = int(block);
   }
-  const std::string hd = std::to_string(a.HD);
+  const std::string hd = std::to_string(a.HD) + (dec ? "_r8" : "");
   if (ma.S == 1) {
     enc.kernel(((sg ? "attn_sg_hd" : "attn_main_hd") + hd).c_str());
     enc.set_args(ma);
