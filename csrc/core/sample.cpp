@@ -20,7 +20,7 @@
 // Checks   params and the logit bias (distinct ids in [0, n_valid), finite values) validated in the constructor;
 //          logits without NaN/+inf and not all −inf; ids in [0, n_valid)
 // Ref      src/lily/sampling.py reference_probs / reference_sample · Test tests/test_sampling.py
-// History  v1 threshold selection + counter-based draw · v2 (current) OpenAI's logit bias, host only
+// History  v1 threshold selection + counter-based draw · v2 (current) logit bias and ban (min_tokens), host only
 #include "core/sample.h"
 
 #include <algorithm>
