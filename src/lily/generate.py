@@ -161,7 +161,7 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         """Records the conversation the state now holds, the reply so far last, for the next turn (none where the
         reply's end leaves the state another conversation than its text: conversation.reply_end)."""
         end = reply_end(returned[-1] if returned else None, model.eos_token_ids, turn_end_id(model.tokenizer),
-                        by_stop_string, params.ignore_eos and any(t in model.eos_token_ids for t in returned))
+                        by_stop_string, returned if params.ignore_eos else ())
         if messages is None or end is None:
             return
         held = session.tokens
