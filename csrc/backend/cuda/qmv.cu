@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
   constexpr int kEpc = 128 / BITS;           // codes per 16-byte chunk
   constexpr int kPW = Q::kPerWord;           // codes per word
   constexpr int kUnroll = T <= 2 ? 2 : 1;    // warp steps whose loads are issued together
-  extern __shared__ float4 xs[];             // [T][K/4] swizzled fp32 x (X16: the x16 slots), then xsum fp32 [T][chunks]
+  extern __shared__ float4 xs[];             // [T][K/4] swizzled fp32 x (X16: x16 slots), then xsum fp32 [T][chunks]
   __shared__ float red[kWarps][kRows * T];   // per-warp row sums
 
   const int K4 = p.K / 4, C = p.chunks;
@@ -318,7 +318,8 @@ __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
         const float dc = xd[c], xsc = xsum[c];
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
-          acc[r][0] = fmaf(bf16_bits_to_f(sv[u][r]) * dc, float(tot[r]), fmaf(bf16_bits_to_f(bv[u][r]), xsc, acc[r][0]));
+          acc[r][0] =
+              fmaf(bf16_bits_to_f(sv[u][r]) * dc, float(tot[r]), fmaf(bf16_bits_to_f(bv[u][r]), xsc, acc[r][0]));
         continue;
       }
       const int e0 = c * kEpc;
