@@ -3,8 +3,8 @@
 //
 // A 16-byte chunk of codes (32 at 4 bits, 16 at 8) meets its x values staged as integers x16 = x·2^(14−e), e the
 // exponent of the chunk's largest |x|, so |x16| < 2^15: exact for every bf16 element within 2^7 of that largest, the
-// rest rounded to the nearest 2^(e−14) (≤ 2^-16 of the chunk's largest). x16 = 256·hi + lo, hi a signed and lo an
-// unsigned byte, four to a word in the order of the codes' bytes:
+// rest rounded to a multiple of 2^(e−14) (off by ≤ 2^-15 of the chunk's largest). x16 = 256·hi + lo, hi a signed and
+// lo an unsigned byte, four to a word in the order of the codes' bytes:
 //   4 bits: a word w's even codes are the low nibbles of its bytes (w & 0x0F0F0F0F), its odd codes the high nibbles
 //     times 16 (w & 0xF0F0F0F0, no shift), so w meets one uint4 {hi of x0 x2 x4 x6, hi of x1 x3 x5 x7, lo even, lo
 //     odd}: four dp4a give A = Σ q_even·hi_even, B = 16·Σ q_odd·hi_odd, C, D the same with lo, and over a chunk
