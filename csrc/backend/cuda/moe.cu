@@ -672,13 +672,7 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
   const bf16* mr = a.m + size_t(t) * a.H;
   float* hr = a.h + (size_t(t) * (a.k + 1) + j) * a.hs;
   if constexpr (X16) {
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {  // a thread per chunk of m
-      float v[CODES];
-#pragma unroll
-      for (int i = 0; i < CODES / 8; ++i)
-        bf16x8_to_f(*reinterpret_cast<const uint4*>(mr + c * CODES + 8 * i), v + 8 * i);
-      put_x16_chunk<BITS>(xi, xsum_s, xd_s, c, v);
-    }
+    stage_x16<BITS>(mr, chunks, xi, xsum_s, xd_s);
     __syncthreads();  // n_block ≥ N returned whole blocks only
 #pragma unroll
     for (int st = 0; st < kGuSteps<BITS>; ++st) {

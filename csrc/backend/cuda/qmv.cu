@@ -134,13 +134,12 @@ constexpr int kNormF4 = 2;  // float4 chunks of xn per thread: K ≤ 2 · 4 · b
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
-template <int BITS>
-__device__ __forceinline__ void stage_x_norm(const QmvParams& p, float4* xs, float* xsum) {
-  constexpr int kF4 = 32 / BITS;  // float4s of x per 16-byte chunk of codes
+// The norm's inputs and factor, for stage_x_norm and stage_x16_norm: thread i's float4 chunks i + blockDim·j of xn (v)
+// and nw (wv), zero past K, and r = 1 / sqrt(mean(xn²) + eps) by rms_norm_kernel's block sum.
+__device__ __forceinline__ float load_norm_row(const QmvParams& p, float4 (&v)[kNormF4], float4 (&wv)[kNormF4]) {
   const int K4 = p.K / 4;
   const float4* xr = reinterpret_cast<const float4*>(p.xn);
   const float4* wr = reinterpret_cast<const float4*>(p.nw);
-  float4 v[kNormF4], wv[kNormF4];
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < kNormF4; ++j) {  // xn and nw in one round trip
@@ -150,7 +149,15 @@ __device__ __forceinline__ void stage_x_norm(const QmvParams& p, float4* xs, flo
   }
 #pragma unroll
   for (int j = 0; j < kNormF4; ++j) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-  const float r = 1.0f / sqrtf(block_sum(ss) / float(p.K) + p.eps);
+  return 1.0f / sqrtf(block_sum(ss) / float(p.K) + p.eps);
+}
+
+template <int BITS>
+__device__ __forceinline__ void stage_x_norm(const QmvParams& p, float4* xs, float* xsum) {
+  constexpr int kF4 = 32 / BITS;  // float4s of x per 16-byte chunk of codes
+  const int K4 = p.K / 4;
+  float4 v[kNormF4], wv[kNormF4];
+  const float r = load_norm_row(p, v, wv);
 #pragma unroll
   for (int j = 0; j < kNormF4; ++j) {
     const int i = threadIdx.x + j * blockDim.x;  // K4 % kF4 == 0: a chunk's lanes are all in or all out
@@ -168,26 +175,6 @@ __device__ __forceinline__ void stage_x_norm(const QmvParams& p, float4* xs, flo
 }
 
 // ---- switch qmv_dp4a: x staged in 16-bit fixed point (x16.cuh), the dot products on dp4a (T = 1) -----------------
-// stage_x's form for the switch: a thread per chunk of the bf16 row x.
-template <int BITS>
-__device__ __forceinline__ void stage_x16(const QmvParams& p, uint4* xi, float* xsum, float* xd) {
-  constexpr int kEpc = 128 / BITS;
-  for (int c = threadIdx.x; c < p.chunks; c += blockDim.x) {
-    float v[kEpc];
-#pragma unroll
-    for (int i = 0; i < kEpc / 8; ++i) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p.x + c * kEpc) + i);
-      const uint32_t r[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r[h]));
-        v[8 * i + 2 * h] = f.x, v[8 * i + 2 * h + 1] = f.y;
-      }
-    }
-    put_x16_chunk<BITS>(xi, xsum, xd, c, v);
-  }
-}
-
 // stage_x_norm's form for the switch: x = bf16(xn · r · nw) as stage_x_norm computes it; the kF4 lanes holding a
 // chunk's float4s find its largest |x| and Σx by shuffles, each turns its own four values into x16 and writes its
 // bytes (at 4 bits two lanes' halves make a word's slot: one shuffle pair, the lower lane writes).
@@ -195,19 +182,8 @@ template <int BITS>
 __device__ __forceinline__ void stage_x16_norm(const QmvParams& p, uint4* xi, float* xsum, float* xd) {
   constexpr int kF4 = 32 / BITS;
   const int K4 = p.K / 4;
-  const float4* xr = reinterpret_cast<const float4*>(p.xn);
-  const float4* wr = reinterpret_cast<const float4*>(p.nw);
   float4 v[kNormF4], wv[kNormF4];
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kNormF4; ++j) {  // xn and nw in one round trip
-    const int i = threadIdx.x + j * blockDim.x;
-    v[j] = i < K4 ? xr[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    wv[j] = i < K4 ? __ldg(wr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-#pragma unroll
-  for (int j = 0; j < kNormF4; ++j) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-  const float r = 1.0f / sqrtf(block_sum(ss) / float(p.K) + p.eps);
+  const float r = load_norm_row(p, v, wv);
 #pragma unroll
   for (int j = 0; j < kNormF4; ++j) {
     const int i = threadIdx.x + j * blockDim.x;  // K4 % kF4 == 0: a chunk's lanes are all in or all out
@@ -369,7 +345,7 @@ __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
   pdl_wait();
 
   if constexpr (X16)
-    stage_x16<BITS>(p, xi, xsum, xd);
+    stage_x16<BITS>(p.x, p.chunks, xi, xsum, xd);
   else
     stage_x<BITS, T>(p, xs, xsum);
   __syncthreads();
@@ -510,7 +486,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
     if (p.xn)
       stage_x16_norm<BITS>(p, xi, xsum, xd);
     else
-      stage_x16<BITS>(p, xi, xsum, xd);
+      stage_x16<BITS>(p.x, p.chunks, xi, xsum, xd);
   } else {
     if (p.xn)
       stage_x_norm<BITS>(p, xs, xsum);

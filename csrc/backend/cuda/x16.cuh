@@ -71,6 +71,26 @@ __device__ __forceinline__ void put_x16_chunk(uint4* xi, float* xsum, float* xd,
 }
 
 
+// Stages a bf16 row x of `chunks` 16-byte code chunks as x16, a thread of the block per chunk.
+template <int BITS>
+__device__ __forceinline__ void stage_x16(const bf16* x, int chunks, uint4* xi, float* xsum, float* xd) {
+  constexpr int kEpc = 128 / BITS;
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float v[kEpc];
+#pragma unroll
+    for (int i = 0; i < kEpc / 8; ++i) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x + c * kEpc) + i);
+      const uint32_t r[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r[h]));
+        v[8 * i + 2 * h] = f.x, v[8 * i + 2 * h + 1] = f.y;
+      }
+    }
+    put_x16_chunk<BITS>(xi, xsum, xd, c, v);
+  }
+}
+
 // d = c + Σ_j a.byte[j]·b.byte[j], a unsigned; b signed (dp4a_us) or unsigned (dp4a_uu).
 __device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
   int d;
