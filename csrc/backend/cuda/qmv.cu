@@ -134,12 +134,13 @@ constexpr int kNormF4 = 2;  // float4 chunks of xn per thread: K ≤ 2 · 4 · b
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
-// The norm's inputs and factor, for stage_x_norm and stage_x16_norm: thread i's float4 chunks i + blockDim·j of xn (v)
-// and nw (wv), zero past K, and r = 1 / sqrt(mean(xn²) + eps) by rms_norm_kernel's block sum.
-__device__ __forceinline__ float load_norm_row(const QmvParams& p, float4 (&v)[kNormF4], float4 (&wv)[kNormF4]) {
+// x = bf16(xn · r · nw) for stage_x_norm and stage_x16_norm, r = 1 / sqrt(mean(xn²) + eps) by rms_norm_kernel's
+// block sum: thread i's float4 chunks i + blockDim·j (o[j]; zero past K), bitwise the norm kernel's row.
+__device__ __forceinline__ void norm_row(const QmvParams& p, float4 (&o)[kNormF4]) {
   const int K4 = p.K / 4;
   const float4* xr = reinterpret_cast<const float4*>(p.xn);
   const float4* wr = reinterpret_cast<const float4*>(p.nw);
+  float4 v[kNormF4], wv[kNormF4];
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < kNormF4; ++j) {  // xn and nw in one round trip
@@ -149,21 +150,23 @@ __device__ __forceinline__ float load_norm_row(const QmvParams& p, float4 (&v)[k
   }
 #pragma unroll
   for (int j = 0; j < kNormF4; ++j) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-  return 1.0f / sqrtf(block_sum(ss) / float(p.K) + p.eps);
+  const float r = 1.0f / sqrtf(block_sum(ss) / float(p.K) + p.eps);
+#pragma unroll
+  for (int j = 0; j < kNormF4; ++j)  // as rms_norm stores
+    o[j] = make_float4(bf16_round(v[j].x * r * wv[j].x), bf16_round(v[j].y * r * wv[j].y),
+                       bf16_round(v[j].z * r * wv[j].z), bf16_round(v[j].w * r * wv[j].w));
 }
 
 template <int BITS>
 __device__ __forceinline__ void stage_x_norm(const QmvParams& p, float4* xs, float* xsum) {
   constexpr int kF4 = 32 / BITS;  // float4s of x per 16-byte chunk of codes
   const int K4 = p.K / 4;
-  float4 v[kNormF4], wv[kNormF4];
-  const float r = load_norm_row(p, v, wv);
+  float4 x[kNormF4];
+  norm_row(p, x);
 #pragma unroll
   for (int j = 0; j < kNormF4; ++j) {
     const int i = threadIdx.x + j * blockDim.x;  // K4 % kF4 == 0: a chunk's lanes are all in or all out
-    const float4 w4 = wv[j];
-    const float4 o = make_float4(bf16_round(v[j].x * r * w4.x), bf16_round(v[j].y * r * w4.y),
-                                 bf16_round(v[j].z * r * w4.z), bf16_round(v[j].w * r * w4.w));  // as rms_norm stores
+    const float4 o = x[j];
     float sum = (o.x + o.y) + (o.z + o.w);
 #pragma unroll
     for (int m = 1; m < kF4; m <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
@@ -182,15 +185,13 @@ template <int BITS>
 __device__ __forceinline__ void stage_x16_norm(const QmvParams& p, uint4* xi, float* xsum, float* xd) {
   constexpr int kF4 = 32 / BITS;
   const int K4 = p.K / 4;
-  float4 v[kNormF4], wv[kNormF4];
-  const float r = load_norm_row(p, v, wv);
+  float4 xn[kNormF4];
+  norm_row(p, xn);
 #pragma unroll
   for (int j = 0; j < kNormF4; ++j) {
     const int i = threadIdx.x + j * blockDim.x;  // K4 % kF4 == 0: a chunk's lanes are all in or all out
     const int c = i / kF4, f = i % kF4;          // chunk, and this lane's float4 in it
-    const float4 w4 = wv[j];
-    const float o[4] = {bf16_round(v[j].x * r * w4.x), bf16_round(v[j].y * r * w4.y),
-                        bf16_round(v[j].z * r * w4.z), bf16_round(v[j].w * r * w4.w)};  // as rms_norm stores
+    const float o[4] = {xn[j].x, xn[j].y, xn[j].z, xn[j].w};
     float m = fmaxf(fmaxf(fabsf(o[0]), fabsf(o[1])), fmaxf(fabsf(o[2]), fabsf(o[3])));
     float sum = (o[0] + o[1]) + (o[2] + o[3]);
 #pragma unroll
