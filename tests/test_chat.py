@@ -231,9 +231,13 @@ def test_tiny_chat_template():
     tok = Tokenizer.from_json(make_tokenizer_json(n_merges=20), chat_template=TINY_CHAT_TEMPLATE)
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
                 {"role": "assistant", "content": None, "tool_calls": []}, {"role": "tool", "content": "T"}]
+    # after the last user message an assistant turn keeps its thinking block, empty here, as Qwen's template does
     body = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n" \
-           "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\nT<|im_end|>\n"
+           "<|im_start|>assistant\n<think>\n\n</think>\n\n<|im_end|>\n<|im_start|>tool\nT<|im_end|>\n"
     assert tok.apply_chat_template(messages) == body + "<|im_start|>assistant\n<think>\n"
+    earlier = [messages[1], {"role": "assistant", "content": "A", "reasoning_content": "R"}, messages[1]]
+    assert tok.apply_chat_template(earlier, add_generation_prompt=False) == \
+        "<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
     assert tok.apply_chat_template(messages, enable_thinking=False) == \
         body + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert tok.apply_chat_template(messages, add_generation_prompt=False) == body

@@ -107,6 +107,35 @@ def test_bad_model_path_exits_2(tmp_path):
     assert out == ""
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be"),
+    (["generate", "--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be"),
+    (["generate", "--prompt", "hi", "--max-context", "-1"], "--max-context must be at least 1"),
+    (["chat", "--top-p", "2"], "--top-p must be"),
+    (["generate", "--prompt", "hi", "--raw", "--system", "s"], "--raw feeds the prompt as is"),
+])
+def test_bad_flags_are_refused_before_the_model_loads(tmp_path, argv, message):
+    """The model named does not exist: the flag is what the error is about, so it was checked first."""
+    code, out, err = _run([sys.executable, "-m", "lily", *argv, "--model", str(tmp_path / "absent")], stdin="hi\n")
+    assert code == 2 and message in err and "absent" not in err and "SamplingParams" not in err, err
+
+
+@pytest.mark.parametrize("flag, value", [("--port", "99999"), ("--port", "-5"), ("--cache-gb", "-1"),
+                                         ("--cache-dir-gb", "inf")])
+def test_serve_refuses_a_bad_port_or_budget_before_loading(flag, value):
+    code, out, err = _run([sys.executable, "-m", "lily", "serve", "--model", "tiny", flag, value])
+    assert code == 2 and f"argument {flag}" in err and "Traceback" not in err, err
+
+
+def test_chat_goes_on_when_a_message_outgrows_the_context():
+    code, out, err = _run([sys.executable, "-m", "lily", "chat", "--model", "tiny", "--max-context", "60",
+                           "--max-tokens", "5", "--seed", "1"],
+                          stdin="hello\nsecond message here\nthird message is here\n/reset\nagain\n")
+    assert code == 0, err
+    assert "exceeds the context limit" in err and "/reset starts a new conversation" in err
+    assert out.count(">> ") == 6  # every line read, then the prompt that meets EOF
+
+
 def _chat(stdin: str, *flags: str) -> tuple[int, str, str]:
     return _run([sys.executable, "-m", "lily", "chat", "--model", "tiny", "--max-tokens", "3", "--seed", "1", "--stats",
                  *flags], stdin=stdin)

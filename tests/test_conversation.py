@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import lily
-from lily.conversation import Conversation, Conversations, turns_after_reply
+from lily.conversation import Conversation, Conversations, reply_end, turns_after_reply
 
 REAL_TEMPLATE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "qwen3.6" / "chat_template.jinja"
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
@@ -78,7 +78,11 @@ def test_a_tool_result_continues_the_state_with_the_tools_given_once(model, rng)
     'No user query found')."""
     session = model.session()
     msgs = [{"role": "user", "content": "Look up river."}]
-    first = list(session.stream_generate(msgs, tools=TOOLS, max_tokens=5, seed=int(rng.integers(2**31))))
+    other_eos = model.tokenizer.token_to_id("<|endoftext|>")
+    for _ in range(20):  # a reply that <|endoftext|> ends is not continued (test_a_reply_cut_by_a_stop_string_...)
+        first = list(session.stream_generate(msgs, tools=TOOLS, max_tokens=5, seed=int(rng.integers(2**31))))
+        if first[-1].token != other_eos:
+            break
     held = list(session.tokens)
     msgs += [{"role": "assistant", "content": "".join(r.text for r in first)},
              {"role": "tool", "content": "a natural stream of water"}]
@@ -123,3 +127,57 @@ def test_the_store_finds_the_longest_conversation_a_request_extends():
     for i in range(3):  # bounded: the least recently used go first
         store.record(_conversation([{"role": "user", "content": str(i)}, {"role": "assistant", "content": "x"}]))
     assert len(store) == 3 and store.find(request) is None
+
+
+def test_a_reply_cut_by_a_stop_string_or_another_end_token_is_not_continued(rng):
+    """The state holds a stop string's text, which the caller never got, and a reply that <|endoftext|> ended has no
+    <|im_end|>: continuing either would prompt with another conversation than the messages say, so the next call
+    renders the messages whole."""
+    model = lily.load("tiny")
+    msgs = [{"role": "user", "content": "Say something."}]
+    for _ in range(20):  # a reply of two characters at least, for the stop string
+        seed = int(rng.integers(2**31))
+        text = model.session().generate(msgs, max_tokens=8, seed=seed)
+        if len(text) >= 2:
+            break
+    session = model.session()
+    stopped = list(session.stream_generate(msgs, max_tokens=8, seed=seed, stop=[text[:2]]))
+    assert stopped[-1].finish_reason == "stop" and "".join(r.text for r in stopped) == ""
+    assert session.messages is None
+    assert session.continuation(msgs + [{"role": "assistant", "content": ""}, {"role": "user", "content": "x"}]) \
+        is None
+    im_end, endoftext = model.tokenizer.token_to_id("<|im_end|>"), model.tokenizer.token_to_id("<|endoftext|>")
+    eos = model.eos_token_ids
+    assert reply_end(im_end, eos, im_end, False) is True
+    assert reply_end(endoftext, eos, im_end, False) is None
+    assert reply_end(5, eos, im_end, False) is False and reply_end(None, eos, im_end, False) is False
+    assert reply_end(5, eos, im_end, True) is None
+
+
+def test_a_session_keeps_its_own_copy_of_the_conversation(rng):
+    """Editing the messages, tools or the returned `messages` after a reply changes the caller's lists, not the
+    conversation the state holds: an edited history is another conversation, rendered whole."""
+    model = lily.load("tiny")
+    session = model.session()
+    tools = [dict(TOOLS[0], function=dict(TOOLS[0]["function"]))]
+    msgs = [{"role": "user", "content": "Hi"}]
+    for _ in range(20):  # a reply that <|endoftext|> ends is not kept at all
+        reply = session.generate(msgs, tools=tools, max_tokens=3, seed=int(rng.integers(2**31)))
+        if session.conversation is not None:
+            break
+    kept = session.messages
+    msgs[0]["content"] = "Hello"
+    session.messages[0]["content"] = "Hey"
+    tools[0]["function"]["name"] = "renamed"
+    assert session.messages == kept and kept[0]["content"] == "Hi"
+    edited = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "again"}]
+    assert session.continuation(edited, tools) is None
+    original = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply},
+                {"role": "user", "content": "again"}]
+    assert session.continuation(original, TOOLS) is not None
+
+
+def test_a_session_of_another_model_is_refused():
+    a, b = lily.load("tiny"), lily.load("tiny")
+    with pytest.raises(ValueError, match="another model"):
+        lily.generate(a, "Hello", session=b.session(), max_tokens=2)

@@ -80,7 +80,7 @@ def _edit_config(model_dir: Path, edit) -> Path:
 ])
 def test_missing_tensor(bad_dir, refused, name, fragments):
     _edit_shard(bad_dir, lambda t: t.pop("language_model." + name))
-    refused(bad_dir, ValueError, *fragments)
+    refused(bad_dir, ValueError, bad_dir, *fragments)  # the checkpoint named too
 
 
 def test_missing_quantized_module(bad_dir, refused):
@@ -197,6 +197,13 @@ def test_unknown_backend(good_dir, refused):
     message = refused(good_dir, ValueError, "nope", backend="nope")
     for backend in lily.backend_names():
         assert backend in message
+
+
+def test_a_prompt_past_the_context_is_a_context_limit_error(good_dir, prompt):
+    """Its own type (a ValueError), which `lily chat` tells from other errors to drop the message and go on."""
+    session = lily.load(good_dir).session(max_context=16)
+    with pytest.raises(lily.ContextLimitError, match="exceeds the context limit"):
+        lily.generate(session.model, (prompt * 3)[:17], session=session, max_tokens=2)
 
 
 def test_prompt_longer_than_context_limit(good_dir, prompt, expected_text):

@@ -6,11 +6,11 @@
 """
 from lily.backend import BackendInfo, backend_names, backends, default_backend
 from lily.generate import GenerationResponse, generate, stream_generate
-from lily.model import Model, Session, SessionConflictError, load, optimisations
+from lily.model import ContextLimitError, Model, Session, SessionConflictError, load, optimisations
 from lily.safetensors_io import CheckpointChangedError, CheckpointError
 from lily.sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate", "Model", "Session", "GenerationResponse", "SamplingParams",
-           "CheckpointError", "CheckpointChangedError", "SessionConflictError", "backends", "backend_names",
+           "CheckpointError", "CheckpointChangedError", "SessionConflictError", "ContextLimitError", "backends", "backend_names",
            "default_backend", "BackendInfo", "optimisations", "__version__"]

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import threading
 import time
 
 from lily.backend import resolve_backend, unusable_gpus
 from lily.generate import stream_generate
-from lily.model import load
+from lily.model import ContextLimitError, load
+from lily.sampling import SamplingParams
 
 SAMPLING_FLAGS = (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
                   ("repetition_penalty", float), ("presence_penalty", float), ("frequency_penalty", float),
@@ -79,6 +81,33 @@ def _sampling(args) -> dict:
     if args.stop:
         kw["stop"] = args.stop
     return kw
+
+
+def _check_flags(args) -> None:
+    """Refuses bad sampling and size flags before the model loads (a large checkpoint takes a while), naming them."""
+    try:
+        SamplingParams(**_sampling(args))
+    except ValueError as e:
+        raise ValueError(re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) \
+            from None
+    for flag in ("max_context", "prefill_chunk"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port
+
+
+def _gb(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
+    return value
 
 
 def _auto(requested: str | None) -> bool:
@@ -213,6 +242,10 @@ def _no_template(model) -> str:
 
 
 def cmd_generate(args) -> int:
+    if args.raw and (args.system is not None or args.system_file is not None):
+        raise ValueError("--raw feeds the prompt as is, without the chat template, so it takes no system prompt "
+                         "(--system, --system-file)")
+    _check_flags(args)
     _texts(args)
     model = _load(args)
     if args.raw:
@@ -250,6 +283,7 @@ def _typed_before_interrupt() -> bool:
 
 
 def cmd_chat(args) -> int:
+    _check_flags(args)
     _texts(args)
     model = _load(args)
     if model.tokenizer.chat_template is None:
@@ -297,7 +331,11 @@ def cmd_chat(args) -> int:
         if not text:
             continue
         turn = messages + [{"role": "user", "content": line}]
-        reply, interrupted = _run(model, session, turn, args, stats=args.stats)
+        try:
+            reply, interrupted = _run(model, session, turn, args, stats=args.stats)
+        except ContextLimitError as e:  # refused before anything was read: the chat goes on
+            print(f"lily: {e}\n[that message is dropped; /reset starts a new conversation]", file=sys.stderr)
+            continue
         if interrupted == "prefill":
             print("[interrupted: that message is dropped; the next reply reads the conversation again]",
                   file=sys.stderr)
@@ -316,6 +354,8 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     from lily.server import serve
 
+    if args.max_context is not None and args.max_context < 1:
+        raise ValueError(f"--max-context must be at least 1, got {args.max_context}")
     model = _load(args)
     gib = 1 << 30
     try:
@@ -368,13 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", required=True, help="checkpoint directory, Hugging Face id, or 'tiny'")
     s.add_argument("--backend", default=None, help=BACKEND_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000, help="port (0: any free one; default 8000)")
+    s.add_argument("--port", type=_port, default=8000, help="port (0: any free one; default 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LILY_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     s.add_argument("--max-context", type=int, default=None, help="context limit in tokens (default: the model's)")
-    s.add_argument("--cache-gb", type=float, default=4.0, help="memory for prefix snapshots (default 4; 0: off)")
+    s.add_argument("--cache-gb", type=_gb, default=4.0, help="memory for prefix snapshots (default 4; 0: off)")
     s.add_argument("--cache-dir", default=None, help="keep prefix snapshots on disk here, across restarts")
-    s.add_argument("--cache-dir-gb", type=float, default=32.0, help="disk budget of --cache-dir (default 32)")
+    s.add_argument("--cache-dir-gb", type=_gb, default=32.0, help="disk budget of --cache-dir (default 32)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="prefill and decode speed against context length (JSON + PNG plot)",

@@ -5,12 +5,18 @@ text included, as mlx-lm's and llama.cpp's chat loops keep them), all but perhap
 and not yet fed. A next turn whose messages extend the conversation (the same messages, the reply as the assistant's
 message, then new ones) continues from there: its prompt is the tokens held, the end of the reply's turn, and the new
 messages rendered as the turns that follow an assistant turn. Nothing of the history is rendered or read again.
+A reply that a stop string or an end-of-sequence token other than <|im_end|> ended is not continued (reply_end):
+the state then holds text that the conversation's messages do not.
 
 `Conversation` is that record; `Session` (lily.model) keeps the one its state holds, and the server's engine keeps
 many (`Conversations`, one session serving every client), so that all of them continue a conversation the same way.
+The server continues one only where the chat template, rendering the request whole, keeps the reply's thinking
+block as the state holds it (Conversation.keeps_thinking: a tool result after the reply, not a new user message,
+with Qwen's template): a request's prompt is then what the template makes of it, whatever the server served before.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import threading
@@ -22,6 +28,24 @@ import numpy as np
 TURN_END = "<|im_end|>\n"  # how the Qwen chat template closes every turn
 # Stand-ins for the turns before the new messages, rendered and cut away again (turns_after_reply).
 _BEFORE = [{"role": "user", "content": "\u2063lily-user\u2063"}, {"role": "assistant", "content": "\u2063lily-reply\u2063"}]
+_THOUGHT = "\u2063lily-thought\u2063"  # a stand-in reply's reasoning (keeps_thinking)
+
+
+def reply_end(last: int | None, eos_ids, turn_end_id: int | None, by_stop_string: bool) -> bool | None:
+    """How a reply ended, for continuing its conversation from the state after it: True when it closed its turn itself
+    (its last token is the turn's end, <|im_end|>), False when it was cut off (max_tokens, an interrupt: the
+    continuation closes the turn), None when the state cannot continue it as the chat template renders the
+    conversation: a stop string ended it (the state holds the stop text, which the caller never got) or another
+    end-of-sequence token did (the template closes every turn with <|im_end|>)."""
+    if by_stop_string:
+        return None
+    if last is not None and last in eos_ids:
+        return True if last == turn_end_id else None
+    return False
+
+
+def turn_end_id(tokenizer) -> int | None:
+    return tokenizer.token_to_id(TURN_END[:-1])
 
 
 def turns_after_reply(tokenizer, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> str | None:
@@ -61,13 +85,18 @@ def _reply_key(message: dict) -> tuple:
 class Conversation:
     """A conversation the state held right after a reply: its messages (chat-template terms, the reply last), the
     tools and template arguments it was rendered with, the tokens the state held, the reply's last token if it was
-    not fed (`pending`), and whether the reply closed its turn itself (ended on an end-of-sequence token)."""
+    not fed (`pending`), and whether the reply closed its turn itself (reply_end). Messages, tools and arguments
+    are copied: a caller who edits its own lists and dicts afterwards changes another conversation, not this one."""
     messages: tuple
     tools: list | None
     template_kwargs: dict
     tokens: np.ndarray  # int32
     pending: int | None
-    ended_on_eos: bool
+    closed_turn: bool
+
+    def __post_init__(self):
+        for name in ("messages", "tools", "template_kwargs"):
+            object.__setattr__(self, name, copy.deepcopy(getattr(self, name)))
 
     def extended_by(self, messages: list[dict], tools=None, template_kwargs: dict | None = None) -> bool:
         """True if `messages` are this conversation's (the reply as its assistant message) and then more, rendered
@@ -85,8 +114,22 @@ class Conversation:
         if text is None:
             return None
         tail = [] if self.pending is None else [self.pending]
-        tail += tokenizer.encode("\n" if self.ended_on_eos else TURN_END)
+        tail += tokenizer.encode("\n" if self.closed_turn else TURN_END)
         return self.tokens.tolist() + tail + tokenizer.encode(text), text
+
+    def keeps_thinking(self, tokenizer, messages: list[dict]) -> bool:
+        """Whether the chat template, rendering `messages` whole, renders this conversation's reply with its thinking
+        block, as the state holds it (the reasoning as generated, or the empty block of a reply without thinking).
+        Qwen's template drops the block of every reply before the last user message (unless `preserve_thinking`), so
+        a new user message after the reply makes the state's tokens another prompt than the request's; a tool
+        result does not. Rendered with a stand-in reply whose reasoning is looked for."""
+        probe = [_BEFORE[0], {"role": "assistant", "content": _BEFORE[1]["content"], "reasoning_content": _THOUGHT}]
+        try:
+            text = tokenizer.apply_chat_template(probe + list(messages[len(self.messages):]), tools=self.tools,
+                                                 add_generation_prompt=True, **self.template_kwargs)
+        except ValueError:
+            return False
+        return _THOUGHT in text
 
 
 def _prefix_hasher(tools, template_kwargs: dict | None):

@@ -11,8 +11,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from lily import _core
-from lily.conversation import Conversation
-from lily.model import Model, Session, SessionConflictError, as_tokens
+from lily.conversation import Conversation, reply_end, turn_end_id
+from lily.model import ContextLimitError, Model, Session, SessionConflictError, as_tokens
 from lily.sampling import SamplingParams
 
 FINISH = {0: None, 1: "stop", 2: "length"}
@@ -89,6 +89,8 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         template_kwargs["enable_thinking"] = enable_thinking
     messages = list(prompt) if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict) else None
     session = session or model.session()
+    if session.model is not model:
+        raise ValueError("the session belongs to another model: make it with this model's session()")
     model.check_files()
     # Each block that changes the state and the session's record of it holds the session (Session.exclusive);
     # between steps the session is free, and a change made there by anyone else ends this generation
@@ -103,7 +105,10 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
             raise ValueError("the prompt is empty: it must contain at least one token")
         cached = session.reuse(prompt_ids)
         new = prompt_ids[cached:]
-        session.core.check_room(len(new))
+        try:
+            session.core.check_room(len(new))
+        except ValueError as e:
+            raise ContextLimitError(str(e)) from None
         model.core.reset_peak_memory()
 
         gen = _core.Generator(session.core, params.to_core(), model.eos_token_ids, params.max_tokens, model.n_valid)
@@ -118,10 +123,11 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
     stop = _StopMatcher(params.stop)
     t1 = time.perf_counter()
     generated, reply = [], []
+    by_stop_string = False
 
     def step() -> tuple[GenerationResponse, bool]:
         """One token; (response, last)."""
-        nonlocal prompt_tps
+        nonlocal prompt_tps, by_stop_string
         token, logprob, top_ids, top_lps, finish = gen.next()
         if not prompt_tps:  # time to the first token
             prompt_tps = len(new) / max(time.perf_counter() - t0, 1e-9)
@@ -137,7 +143,7 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         reason = FINISH[finish]
         text, hit = stop.push("" if reason == "stop" else detok.add(token))  # an EOS token adds no text
         if hit:
-            reason = "stop"
+            reason, by_stop_string = "stop", True
         elif reason is not None:
             text += stop.push(detok.flush())[0] + stop.flush()
         reply.append(text)
@@ -148,14 +154,17 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
                                   **stats), reason is not None
 
     def remember(returned: list[int]) -> None:
-        """Records the conversation the state now holds, the reply so far last, for the next turn."""
-        if messages is None:
+        """Records the conversation the state now holds, the reply so far last, for the next turn (none where the
+        reply's end leaves the state another conversation than its text: conversation.reply_end)."""
+        end = reply_end(returned[-1] if returned else None, model.eos_token_ids, turn_end_id(model.tokenizer),
+                        by_stop_string)
+        if messages is None or end is None:
             return
         held = session.tokens
         session.conversation = Conversation(
             tuple(messages + [{"role": "assistant", "content": "".join(reply)}]), tools, template_kwargs,
             np.asarray(held, dtype=np.int32), returned[-1] if len(held) < len(prompt_ids) + len(returned) else None,
-            bool(returned) and returned[-1] in model.eos_token_ids)
+            end)
 
     epoch = session.core.epoch  # the state as this generation's last step left it
     first, last, recorded = True, False, False

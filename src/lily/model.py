@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 from pathlib import Path
@@ -11,6 +12,11 @@ import numpy as np
 
 from lily import _core
 from lily._core import SessionConflictError
+
+
+class ContextLimitError(ValueError):
+    """A prompt that does not fit in the session's context limit (after what the session already holds): refused
+    before anything is read, with the session unchanged."""
 from lily.backend import resolve_backend
 from lily.conversation import Conversation
 from lily.loader import Checkpoint, load_checkpoint
@@ -85,8 +91,13 @@ class Model:
             raise ValueError(f"config.json: rope_parameters.rope_type {rope_type!r} is not supported yet "
                              "(Lily implements the default partial RoPE; YaRN is opt-in and not needed below 262144 tokens)")
         core_config = {k: v for k, v in ckpt.config.items() if isinstance(v, (int, float, bool))}
-        self.core: _core.Model = _core.Model(core_config, ckpt.tensors, ckpt.files, resolve_backend(backend),
-                                {str(f.path): f.view for f in ckpt.mapped}, disabled_optimisations(disable))
+        try:
+            self.core: _core.Model = _core.Model(core_config, ckpt.tensors, ckpt.files, resolve_backend(backend),
+                                    {str(f.path): f.view for f in ckpt.mapped}, disabled_optimisations(disable))
+        except ValueError as e:  # the checkpoint named, where the core's message does not already
+            if type(e) is ValueError and ckpt.model_dir is not None and str(ckpt.model_dir) not in str(e):
+                raise ValueError(f"{ckpt.model_dir}: {e}") from None
+            raise
         self.backend: str = self.core.backend
         self.device: str = self.core.device  # what the backend runs on ("NVIDIA H200"; the backend's name if none)
         # The files the backend reads in place for as long as the model lives (none where it copied the weights).
@@ -199,8 +210,8 @@ class Session:
 
     @property
     def messages(self) -> list[dict] | None:
-        """The conversation the state holds, its reply last (None when the state holds no chat reply)."""
-        return None if self.conversation is None else list(self.conversation.messages)
+        """The conversation the state holds, its reply last (None when the state holds no chat reply); a copy."""
+        return None if self.conversation is None else copy.deepcopy(list(self.conversation.messages))
 
     def continuation(self, messages: list[dict], tools=None, **template_kwargs) -> list[int] | None:
         """Prompt ids that continue the stored conversation with the new messages, or None if `messages` does

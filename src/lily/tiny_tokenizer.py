@@ -110,13 +110,22 @@ def tiny_vocab_size(n_merges: int = 200) -> int:
     return 256 + n_merges + len(TINY_ADDED_TOKENS)
 
 
-# A short ChatML template for Lily's built-in tiny random model (not the real Qwen template).
+# A short ChatML template for Lily's built-in tiny random model (not the real Qwen template). As Qwen's, it renders
+# an assistant turn's thinking block only after the last user message (conversation.py: Conversation.keeps_thinking).
 TINY_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
     "{%- for message in messages %}"
     "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{- raise_exception('Unexpected message role: ' + message.role) }}"
     "{%- endif %}"
+    "{%- if message.role == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + (message.reasoning_content or '') + '\\n</think>\\n\\n' }}"
+    "{{- (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n<think>\\n' }}"

@@ -164,6 +164,11 @@ class Tokenizer:
             raise ValueError(f"token ids must be >= 0, got {min(ids)}")
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to decoded text (special tokens included): part of a character's UTF-8 where
+        the vocabulary splits a character over tokens, so not always text on its own."""
+        return self._token_bytes(token_id, skip_special_tokens=False)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -286,7 +286,8 @@ CASES = [
     Case("rms_norm_qmm", dict(T=1, K=2048, Ns=(248320,), y_f32=True), tags=("model", "slow"), name="rms_norm_qmm-lm_head"),
     Case("rms_norm_qmm", dict(T=1, K=1024, Ns=(32, 8, 4)), tags=("edge",)),
     Case("rms_norm_qmm", dict(T=1, K=1024, Ns=(70,), bits=8, y_f32=True), tags=("edge",)),
-    Case("rms_norm_qmm", dict(T=1, K=1024, Ns=(30, 8, 2)), tags=("edge",)),
+    Case("rms_norm_qmm", dict(T=1, K=1024, Ns=(30, 8, 6)), tags=("edge",)),  # 6: not a whole unit, and enough rows for
+    # a relative error of bf16 x (2 rows: one dot whose terms cancel decided it, and 2.5 % came up in one run of ~30)
     Case("rms_norm_qmm", dict(T=1, K=4096, Ns=(64,)), tags=("edge",)),
     Case("rms_norm_qmm", dict(T=2, K=256, Ns=(72, 40)), tags=("edge",)),
     # x over a wide range with all-zero chunks, on the streaming GEMV (4 bits: K 1024 or 2048; 8 bits: K ≥ 512)

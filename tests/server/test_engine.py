@@ -19,28 +19,63 @@ from live_server import (MAX_CONTEXT, NO_THINKING, LiveServer, Script, chat_body
                          prefix_tokens, words)
 
 
-def test_second_turn_prefills_only_its_new_tokens(server, client, tiny_model):
+def _prompt_ids(model, messages) -> list[int]:
+    tok = model.tokenizer
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False))
+
+
+def test_a_user_turn_prefills_only_the_reply_as_rendered_and_its_new_tokens(server, client, tiny_model):
+    """A new user message makes the template drop the reply's thinking block, which the state holds, so the request
+    is rendered whole (the prompt is what the template makes of it, whatever was served before). It starts from the
+    snapshot taken just after the previous generation prompt's <|im_start|>: only the reply as rendered and the new
+    turn are prefilled. The second turn starts from the opening turn's snapshot (the first turn took that one)."""
     messages = [{"role": "system", "content": words(3)}, {"role": "user", "content": words()}]
     before = server.metric("lily_engine_tokens_processed_total")
     first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, seed=1,
                                            extra_body=NO_THINKING)
-    after_first = server.metric("lily_engine_tokens_processed_total")
+    after = server.metric("lily_engine_tokens_processed_total")
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert after_first - before == first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert after - before == first.usage.prompt_tokens + first.usage.completion_tokens - 1
 
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": words()}]
     second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, seed=2,
                                             extra_body=NO_THINKING)
-    cached = second.usage.prompt_tokens_details.cached_tokens
-    # the whole first turn as the state held it: its prompt and the reply's tokens but the last (sampled, not fed)
-    assert cached == first.usage.prompt_tokens + first.usage.completion_tokens - 1
-    new_turn = tiny_model.tokenizer.apply_chat_template(messages[-1:], add_generation_prompt=True,
-                                                        enable_thinking=False)
-    closing = "\n" if first.choices[0].finish_reason == "stop" else "<|im_end|>\n"  # after <|im_end|> or another token
-    assert second.usage.prompt_tokens - cached == 1 + len(tiny_model.tokenizer.encode(closing + new_turn))
-    work = server.metric("lily_engine_tokens_processed_total") - after_first
-    assert work == (second.usage.prompt_tokens - cached) + second.usage.completion_tokens - 1
+    assert second.usage.prompt_tokens == len(_prompt_ids(tiny_model, messages))
+    assert second.usage.prompt_tokens_details.cached_tokens == prefix_tokens(tiny_model, messages[:1])
+
+    previous = _prompt_ids(tiny_model, messages)
+    cut = max(i for i, t in enumerate(previous) if t == tiny_model.tokenizer.token_to_id("<|im_start|>")) + 1
+    messages += [{"role": "assistant", "content": second.choices[0].message.content},
+                 {"role": "user", "content": words()}]
+    before = server.metric("lily_engine_tokens_processed_total")
+    third = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, seed=3,
+                                           extra_body=NO_THINKING)
+    ids = _prompt_ids(tiny_model, messages)
+    assert third.usage.prompt_tokens == len(ids) and ids[:cut] == previous[:cut]
+    assert third.usage.prompt_tokens_details.cached_tokens == cut
+    work = server.metric("lily_engine_tokens_processed_total") - before
+    assert work == (len(ids) - cut) + third.usage.completion_tokens - 1
+
+
+def test_the_turn_after_a_stop_string_is_prompted_as_the_request_renders(server, client, tiny_model, rng):
+    """The state after a reply that a stop string ended holds the stop text, which the client never got: the next
+    turn (a tool result, which would otherwise continue that state) is prompted with the conversation rendered whole,
+    as a server that never served the first turn would prompt it."""
+    messages = [{"role": "user", "content": words()}]
+    for _ in range(20):  # a reply with text to stop at
+        seed = int(rng.integers(2**31))
+        text = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, seed=seed,
+                                              extra_body=NO_THINKING).choices[0].message.content or ""
+        if len(text) >= 2:
+            break
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, seed=seed, stop=[text[:2]],
+                                           extra_body=NO_THINKING)
+    assert first.choices[0].finish_reason == "stop" and text[:2] not in (first.choices[0].message.content or "")
+    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                 {"role": "tool", "content": words(3)}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=NO_THINKING)
+    assert second.usage.prompt_tokens == len(_prompt_ids(tiny_model, messages))
 
 
 def test_a_new_conversation_starts_from_another_ones_opening_turn(server, client, tiny_model):

@@ -65,6 +65,25 @@ def test_completions(client, tiny_model):
     assert by_ids.choices[0].text == choice.text[len(prompt):] and by_ids.usage.prompt_tokens == len(ids)
 
 
+def test_logprobs_carry_the_bytes_of_tokens_that_split_a_character(client, tiny_model, rng):
+    """A third of the tiny vocabulary are parts of UTF-8 characters. Their `bytes` are their own (joined, they are the
+    text), and their names escape the partial bytes, so that the alternatives at one position stay distinct (as
+    "\ufffd" they collided, and the legacy dict lost entries)."""
+    seed = int(rng.integers(2**31))
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": words()}], temperature=1,
+                                       max_tokens=32, logprobs=True, top_logprobs=5, seed=seed, extra_body=NO_THINKING)
+    entries = r.choices[0].logprobs.content
+    text = b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace")
+    assert text.strip() == (r.choices[0].message.content or "").strip()
+    for e in entries:
+        assert len({t.token for t in e.top_logprobs}) == 5
+        for t in e.top_logprobs:
+            assert bytes(t.bytes).decode("utf-8", "backslashreplace") == t.token
+    legacy = client.completions.create(model="tiny", prompt=words(), temperature=1, max_tokens=32, logprobs=5,
+                                       seed=seed)
+    assert all(len(top) == 5 for top in legacy.choices[0].logprobs.top_logprobs)
+
+
 TOOL_REPLY = ("The user wants the forecast, so I call the tool.\n</think>\n\nLet me check.\n\n<tool_call>\n"
               "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
               "</function>\n</tool_call>")
@@ -97,7 +116,11 @@ def test_tool_call_round_trip(client, script, tiny_model):
     assert r2.choices[0].finish_reason == "stop" and r2.choices[0].message.tool_calls is None
     assert r2.choices[0].message.content == "It will be 18 °C and clear in Paris."
     assert '{"temp_c": 18, "sky": "clear"}' in script.prompts[-1]
-    assert r2.usage.prompt_tokens_details.cached_tokens == prefix_tokens(tiny_model, messages[:1])
+    # The scripted reply is not fed, so the state held the first prompt, which the template (thinking kept after a
+    # tool result) renders again as the start of this one.
+    tok = tiny_model.tokenizer
+    first_prompt = tok.encode(tok.apply_chat_template(messages[:1], tools=[WEATHER], add_generation_prompt=True))
+    assert r2.usage.prompt_tokens_details.cached_tokens == len(first_prompt)
 
 
 def test_reasoning_is_separate_and_enable_thinking_is_honoured(client, script):
@@ -163,11 +186,18 @@ BAD_REQUESTS = [
     ("n", chat_body(n=2), 400, "n", None),
     ("tool-choice-required", chat_body(tools=[WEATHER], tool_choice="required"), 400, "tool_choice", None),
     ("bad-tool", chat_body(tools=[{"type": "function"}]), 400, "tools[0]", None),
+    ("tool-parameters-not-object", chat_body(tools=[{"type": "function", "function": {"name": "f",
+                                                                                    "parameters": "notobj"}}]),
+     400, "tools[0].function.parameters", None),
+    ("text-part-without-text", chat_body(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400,
+     "messages[0].content", None),
     ("bad-arguments", chat_body(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]), 400,
      "messages[1].tool_calls[0].function.arguments", None),
     ("top-logprobs-without-logprobs", chat_body(top_logprobs=2), 400, "top_logprobs", None),
     ("json-schema", chat_body(response_format={"type": "json_object"}), 400, "response_format", None),
+    ("ignore-eos", chat_body(ignore_eos=True), 400, "ignore_eos", None),
+    ("min-tokens", chat_body(min_tokens=4), 400, "min_tokens", None),
     ("thinking-not-bool", chat_body(chat_template_kwargs={"enable_thinking": "no"}), 400,
      "chat_template_kwargs.enable_thinking", None),
     ("unknown-model", chat_body(model="gpt-4o"), 404, "model", "model_not_found"),

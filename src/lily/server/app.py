@@ -118,18 +118,22 @@ class Server:
         return value, watcher
 
     async def start_chat(self, request, messages: list[dict], tools: list[dict] | None, template_kwargs: dict,
-                         sampling: Sampling, param: str = "messages") -> tuple[Job, asyncio.Task, OutputParser]:
+                         sampling: Sampling, param: str = "messages",
+                         held_history: bool = False) -> tuple[Job, asyncio.Task, OutputParser]:
         """Starts a conversation given in the chat template's terms (protocol.render_conversation): rendered and
         bounded off the event loop, tokenised and served by the engine. Returns (the job, its disconnect watcher,
         the OutputParser that splits its text into reasoning, content and tool calls) once the engine accepted it;
-        the job's events are then ("token", GenerationResponse)..., ("done", Usage) or ("error", RequestError)."""
+        the job's events are then ("token", GenerationResponse)..., ("done", Usage) or ("error", RequestError).
+        held_history: the history is the server's own (Responses' previous_response_id), not the request's, so its
+        state continues as it holds the replies, thinking included, as OpenAI's API keeps a response's reasoning."""
         model = self.engine.model
 
         def render() -> Callable[[Model], Prompt]:
-            """The prompt: the state of a conversation these messages extend, continued (Conversation), or else the
-            whole conversation rendered."""
+            """The prompt: the state of a conversation these messages extend, continued (Conversation) where the
+            template renders its reply as the state holds it, or else the whole conversation rendered."""
             conv = self.engine.conversations.find(messages, tools, template_kwargs)
-            found = conv and conv.continuation(model.tokenizer, messages)
+            found = conv and (held_history or conv.keeps_thinking(model.tokenizer, messages)) and \
+                conv.continuation(model.tokenizer, messages)
             if found:
                 self.engine.check_prompt_length(len(found[0]), param)
                 return lambda m: Prompt(*found)
@@ -157,7 +161,7 @@ class Server:
                                    for c in out.tool_calls]
         h = job.held
         self.engine.conversations.record(Conversation(tuple(messages) + (reply,), tools, dict(template_kwargs),
-                                                      h.tokens, h.pending, h.ended_on_eos))
+                                                      h.tokens, h.pending, h.closed_turn))
 
     # -- endpoints -------------------------------------------------------------------------------------------
 

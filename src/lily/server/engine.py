@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lily.conversation import Conversations
+from lily.conversation import Conversations, reply_end, turn_end_id
 from lily.generate import GenerationResponse, stream_generate
 from lily.model import Model
 from lily.prefix_cache import PrefixCache
@@ -54,10 +54,10 @@ class Prompt:
 @dataclass
 class Held:
     """What the state held when a job's reply was complete: its tokens (the prompt and the reply as fed), the reply's
-    last token if it was not fed, and whether the reply ended on an end-of-sequence token."""
+    last token if it was not fed, and whether the reply closed its turn itself (conversation.reply_end)."""
     tokens: np.ndarray
     pending: int | None
-    ended_on_eos: bool
+    closed_turn: bool
 
 
 class Job:
@@ -124,7 +124,8 @@ class Engine:
         self._token_text: dict[int, str] = {}
         model.tokenizer.min_tokens("")  # reads the vocabulary once, at start-up
         nl = model.tokenizer.encode("\n")
-        self._turn_end = (model.tokenizer.token_to_id("<|im_end|>"), nl[0] if len(nl) == 1 else None)
+        self._turn_end = (turn_end_id(model.tokenizer), nl[0] if len(nl) == 1 else None)
+        self._turn_start = model.tokenizer.token_to_id("<|im_start|>")
 
     @property
     def queued(self) -> int:
@@ -151,9 +152,14 @@ class Engine:
         if self.cache is not None:
             self.cache.close()
 
+    def token_bytes(self, token: int) -> bytes:
+        return self.model.tokenizer.token_bytes(token)
+
     def token_text(self, token: int) -> str:
+        """A token as logprobs name it: its text, with the bytes of a partial UTF-8 character escaped (`\\xe2`), so
+        that tokens holding different parts of characters stay distinct (their `bytes` are the real ones)."""
         if token not in self._token_text:
-            self._token_text[token] = self.model.tokenizer.decode([token])
+            self._token_text[token] = self.token_bytes(token).decode("utf-8", "backslashreplace")
         return self._token_text[token]
 
     # -- worker ----------------------------------------------------------------------------------------------
@@ -240,14 +246,17 @@ class Engine:
             pass
         finally:
             stream.close()
-            self._keep_opening()
+            self._keep_saved()
         if last is None or last.finish_reason is None:
             self._cancelled(job)
             return
-        held = self.session.tokens
-        if held[:n] == prompt.ids and held[n:] == generated[:len(held) - n] and len(held) >= n + len(generated) - 1:
+        held, eos = self.session.tokens, self.model.eos_token_ids
+        end = reply_end(generated[-1] if generated else None, eos, self._turn_end[0],
+                        last.finish_reason == "stop" and not (generated and generated[-1] in eos))
+        if end is not None and held[:n] == prompt.ids and held[n:] == generated[:len(held) - n] and \
+                len(held) >= n + len(generated) - 1:
             job.held = Held(np.asarray(held, dtype=np.int32), generated[-1] if len(held) < n + len(generated) else None,
-                            bool(generated) and generated[-1] in self.model.eos_token_ids)
+                            end)
         usage = Usage(n, cached, last.generation_tokens, last.finish_reason)
         self._record(usage, t_first - t0, t_end - t_first)  # before the response ends: a scrape after it sees it
         job.emit("done", usage)
@@ -270,6 +279,14 @@ class Engine:
             start = at + 1
         return len(ids)
 
+    def _last_turn_start(self, ids: list[int]) -> int:
+        """The position just after the last `<|im_start|>` in `ids` (the generation prompt's, in a chat prompt), or
+        0 if there is none."""
+        try:
+            return len(ids) - ids[::-1].index(self._turn_start)
+        except ValueError:
+            return 0
+
     def _watch(self, job: Job) -> Callable[[int, int], None]:
         """A prefill progress callback that stops the prefill (_Cancelled) once the job is cancelled."""
         def check(done: int, total: int) -> None:
@@ -280,10 +297,13 @@ class Engine:
     def _prepare(self, ids: list[int], max_tokens: int) -> int:
         """Brings the session to the longest saved prefix of `ids` (the live state or a cached snapshot). If that
         does not reach the end of the prompt's first turn (a new conversation: its system prompt and tools, which
-        other conversations and agents' sub-sessions often share), asks for a snapshot there: the generation, which
-        prefills the rest in one call, takes it on the way (_keep_opening caches it), so the prompt is one pass over
-        the weights however it splits, as the engine's own. The KV caches are sized for the prompt and `max_tokens`
-        first. Returns how many tokens came from saved state."""
+        other conversations and agents' sub-sessions often share), asks for a snapshot there; else, just after the
+        generation prompt's `<|im_start|>`, where the next turn's prompt, rendered whole, parts from this one's
+        tokens when the template drops the reply's thinking (Conversation.keeps_thinking), so that it prefills only
+        the reply as rendered and the new turn. The generation, which prefills the rest in one call, takes the
+        snapshot on the way (_keep_saved caches it), so the prompt is one pass over the weights however it splits,
+        as the engine's own. The KV caches are sized for the prompt and `max_tokens` first. Returns how many tokens
+        came from saved state."""
         s, n = self.session, len(ids)
         held = s.tokens
         live = len(held) if 0 < len(held) < n and held == ids[:len(held)] else 0
@@ -294,12 +314,15 @@ class Engine:
             s.reset()
         cached = s.core.position
         s.reserve(n - cached + max_tokens)  # the KV caches once for the prompt and the reply, not per part
-        opening = self._first_turn_end(ids)
-        if self.cache is not None and cached < opening < n:
-            s.core.save_at(opening)
+        opening, reply = self._first_turn_end(ids), self._last_turn_start(ids)
+        if self.cache is not None:
+            if cached < opening < n:
+                s.core.save_at(opening)
+            elif cached < reply < n:
+                s.core.save_at(reply)
         return cached
 
-    def _keep_opening(self) -> None:
+    def _keep_saved(self) -> None:
         """Caches the snapshot the generation's prefill took on the way (_prepare), if it got that far."""
         saved = self.session.core.take_saved()
         if saved is not None and self.cache is not None:

@@ -85,6 +85,8 @@ def _tools(body: dict) -> list[dict] | None:
                 not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": …}}}}",
                                param=f"tools[{i}]")
+        field(fn, "description", (str,), f"tools[{i}].function.")
+        field(fn, "parameters", (dict,), f"tools[{i}].function.")  # a JSON schema
     choice = body.get("tool_choice", "auto")
     if choice not in ("auto", "none", None):
         raise RequestError(f"tool_choice {choice!r} is not supported: only 'auto' and 'none' (Lily does not "
@@ -255,8 +257,8 @@ class OpenAI:
             return []
 
         def entry(token: int, logprob: float) -> dict:
-            text = self.srv.engine.token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            engine = self.srv.engine
+            return {"token": engine.token_text(token), "logprob": logprob, "bytes": list(engine.token_bytes(token))}
 
         return [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top_logprobs]}]
 

@@ -204,6 +204,13 @@ def parse_sampling(body: dict, model: Model, max_token_names: tuple[str, ...], t
             raise RequestError(f"'{name}' must be 1: this server returns one choice per request", param=name)
     if field(body, "logit_bias", (dict,)):
         raise RequestError("'logit_bias' is not supported", param="logit_bias")
+    # vLLM's extensions that change what is generated: refused rather than ignored (a benchmark sending
+    # ignore_eos would otherwise measure shorter replies than it asked for)
+    if field(body, "ignore_eos", (bool,)):
+        raise RequestError("'ignore_eos' is not supported: a reply ends at the model's end-of-sequence token",
+                           param="ignore_eos")
+    if field(body, "min_tokens", (int,)):
+        raise RequestError("'min_tokens' is not supported", param="min_tokens")
     response_format = field(body, "response_format", (dict,))
     if response_format is not None and response_format.get("type", "text") != "text":
         raise RequestError(f"response_format {response_format.get('type')!r} is not supported (only 'text': "
@@ -249,7 +256,10 @@ def text_content(content, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise RequestError(f"'{where}[{j}].text' must be a string, got {json_type(part.get('text'))}",
+                                   param=where)
+            if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else json_type(part)
                 raise RequestError(f"'{where}[{j}]': content parts of type {kind!r} are not supported (text only)",
                                    param=where)

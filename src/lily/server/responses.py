@@ -403,7 +403,8 @@ class Responses:
     async def create(self, request):
         req = parse_responses_request(await self.srv.body(request), self.srv.engine.model, self.stored)
         job, watcher, parser = await self.srv.start_chat(request, req.messages, req.tools, req.template_kwargs,
-                                                         req.sampling, param="input")
+                                                         req.sampling, param="input",
+                                                         held_history=req.echo["previous_response_id"] is not None)
         reply = Reply(req, self.srv.model_id)
         if req.stream:
             return self.srv.stream(self._events(job, parser, reply), job, watcher)
