@@ -22,8 +22,9 @@
 // Mapping  attn_prep: one simdgroup per (token, q head or kv head), 4 per threadgroup; simd_sum for the norm; a lane
 //          owns dims lane + 32u, with both dims of a rotation pair (i, i+R/2) for i < R/2. θ_i come from the host.
 //          attn_main_hd<HD> (S = 1) / attn_split_hd<HD> (S > 1): grid (row tiles, NKV, S), 128 threads. A threadgroup
-//          owns BM packed rows of one kv head (attn_bm: 16 at HD=256, else 32) and one key block; Q sits in
-//          threadgroup memory (fp32, pre-scaled), key tiles of BC keys (attn_bc: 8/16/32) of K and V as bf16 (K rows
+//          owns BM packed rows of one kv head (attn_bm: 16 at HD=256, else 32; the decode tile _r8, switch
+//          attn_decode_tile: 8, which a token's G = 8 heads fill) and one key block; Q sits in threadgroup memory
+//          (fp32, pre-scaled), key tiles of BC keys (attn_bc: 8/16/32; 16 for _r8) of K and V as bf16 (K rows
 //          padded by 8 bytes against bank conflicts). Per tile, Q·Kᵀ: thread (key j = tid mod BC, rows tid/BC +
 //          i·128/BC) scores its key against its rows and stores the masked scores; then P·V: thread (row tid/TPR,
 //          float4 chunks tr + TPR·u of O, TPR = 128/BM) takes its row's max over the tile, rescales its O chunks and
@@ -33,6 +34,15 @@
 //          Split (launcher): with ≥ 32K keys, or > 512 keys and under 64 threadgroups, key block z covers a.block
 //          keys (fixed: 512, doubled until the partials fit in 64 MB); S = ⌈keys/block⌉ with keys = pos0 + T, or
 //          cache_cap when the position comes from the device; blocks past the live keys exit at once.
+//          attn_sg_hd<HD> / attn_sg_split_hd<HD> (switch attn_simdgroup; the launcher takes them from 32 packed rows
+//          per kv head, T·G ≥ ATTN_SG_MIN_ROWS, so decode keeps the scalar kernel): the same grid, splits and partials
+//          with row tiles of BM = 32 and 256 threads. Simdgroup sg owns rows 8·(sg/2) .. +7 and head-dim half sg % 2:
+//          its q half stays in HD/16 simdgroup_float8x8 for the whole call, its O half in HD/16 accumulators. A key
+//          tile (attn_sg_bc: 8 keys at HD = 256, 16 at 128, 32 below) is staged as fp32 Kᵀ and V; each simdgroup
+//          multiplies its q half into the scores' half-sums, then runs the online softmax for 4 of its block's rows
+//          (8 lanes a row: the two halves added, masked, max and sum by xor shuffles), and last rescales its O by
+//          diag(α) (one 8×8 product per accumulator, skipped when no max of the block moved) and adds P·V. Four
+//          barriers per tile. Products and sums in fp32, as the scalar kernel: only the order of additions differs.
 //          attn_combine: one threadgroup per (t, h), thread = (float4 column, group of blocks); online within a
 //          thread, then across groups through threadgroup memory, in a fixed order; applies σ(gate).
 // Checks   (launcher) NH % NKV == 0; HD ∈ {32, 64, 128, 256}; rotary_dim even, ≤ HD; pos0 + T ≤ cache_cap; caches
@@ -40,8 +50,12 @@
 //          writes or reads past the caches. RoPE angles reach 2.6·10^5 rad: reduced mod 2π in float with an exact
 //          two-constant Cody–Waite step before precise::cos/sin.
 // Ref      cpu/attention.cpp · Test tests/metal/test_metal_ops.py (op "attention", cases in tests/ops/cases.py)
-// History  v1 (this): scalar fp32 tiles in threadgroup memory (the CPU harness runs it at reference cost); not yet
-//          timed on Apple hardware. Next: simdgroup_float8x8 Q·Kᵀ and P·V, measured on a Mac.
+// History  v1: scalar fp32 tiles in threadgroup memory (the CPU harness runs it at reference cost).
+//          v2 (2026-12-05): prefill's products on simdgroup_float8x8 (attn_sg, switch attn_simdgroup). Per tile and
+//          simdgroup at HD = 256: 16 + 16 products of 8×8×8 (+ 16 for a moved max) against 4 barriers and 32 staged
+//          elements per thread. Decode on a tile of 8 rows (attn_decode_tile): the prefill tile of 16 rows at
+//          HD = 256 scored and accumulated 8 padding rows for a token's 8 heads, twice the work per key. Neither
+//          version is timed on Apple hardware yet (benchmarks/NOTES.md, Metal).
 #include "common.h"
 #include "attention_args.h"
 
@@ -143,12 +157,13 @@ inline void attn_load_tile(threadgroup uint2* dst, device const ushort* cache, i
   }
 }
 
-template <int HD, bool SPLIT>
+template <int HD, bool SPLIT, bool DEC>
 inline void attn_impl(constant AttnMainArgs& a, int pos0, device const float* q, device const ushort* k_cache,
                       device const ushort* v_cache, device const ushort* qg, device ushort* out, device float* part,
                       threadgroup float4* qs, threadgroup uint2* ks, threadgroup uint2* vs, threadgroup float* ss,
                       uint3 tg, uint3 ntg, uint tid) {
-  constexpr int BM = attn_bm(HD), BC = attn_bc(HD), NT = ATTN_NT, C4 = HD / 4, KLD = C4 + 1;
+  constexpr int BM = attn_bm(HD, DEC), BC = attn_bc(HD, DEC), NT = ATTN_NT, C4 = HD / 4, KLD = C4 + 1;
+  static_assert(NT / BM <= C4 && BM * BC % NT == 0, "P·V: a row's threads each own a float4 of O; whole scores");
   constexpr int EPT = BM * BC / NT, RSTEP = NT / BC;  // scores per thread; row step between them
   constexpr int TPR = NT / BM, CPT = C4 / TPR;        // threads per row in P·V; float4 chunks of O per thread
   const int G = a.G, nrows = a.T * a.G, kvh = int(tg.y), split = int(tg.z);
@@ -239,7 +254,7 @@ inline void attn_impl(constant AttnMainArgs& a, int pos0, device const float* q,
 }
 
 // S == 1: the gated output directly.
-template <int HD>
+template <int HD, bool DEC>
 [[kernel]] void attn_main(
     constant AttnMainArgs& args [[buffer(0)]],
     device const int* pos [[buffer(1)]],
@@ -251,15 +266,15 @@ template <int HD>
     uint3 tg [[threadgroup_position_in_grid]],
     uint3 ntg [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
-  threadgroup float4 qs[attn_bm(HD) * HD / 4];
-  threadgroup uint2 ks[attn_bc(HD) * (HD / 4 + 1)];
-  threadgroup uint2 vs[attn_bc(HD) * HD / 4];
-  threadgroup float ss[attn_bm(HD) * attn_bc(HD)];
-  attn_impl<HD, false>(args, pos[0], q, k_cache, v_cache, qg, out, nullptr, qs, ks, vs, ss, tg, ntg, tid);
+  threadgroup float4 qs[attn_bm(HD, DEC) * HD / 4];
+  threadgroup uint2 ks[attn_bc(HD, DEC) * (HD / 4 + 1)];
+  threadgroup uint2 vs[attn_bc(HD, DEC) * HD / 4];
+  threadgroup float ss[attn_bm(HD, DEC) * attn_bc(HD, DEC)];
+  attn_impl<HD, false, DEC>(args, pos[0], q, k_cache, v_cache, qg, out, nullptr, qs, ks, vs, ss, tg, ntg, tid);
 }
 
 // S > 1: fp32 partials (O, m, l) of key block z, merged by attn_combine.
-template <int HD>
+template <int HD, bool DEC>
 [[kernel]] void attn_split(
     constant AttnMainArgs& args [[buffer(0)]],
     device const int* pos [[buffer(1)]],
@@ -270,11 +285,225 @@ template <int HD>
     uint3 tg [[threadgroup_position_in_grid]],
     uint3 ntg [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
-  threadgroup float4 qs[attn_bm(HD) * HD / 4];
-  threadgroup uint2 ks[attn_bc(HD) * (HD / 4 + 1)];
-  threadgroup uint2 vs[attn_bc(HD) * HD / 4];
-  threadgroup float ss[attn_bm(HD) * attn_bc(HD)];
-  attn_impl<HD, true>(args, pos[0], q, k_cache, v_cache, nullptr, nullptr, part, qs, ks, vs, ss, tg, ntg, tid);
+  threadgroup float4 qs[attn_bm(HD, DEC) * HD / 4];
+  threadgroup uint2 ks[attn_bc(HD, DEC) * (HD / 4 + 1)];
+  threadgroup uint2 vs[attn_bc(HD, DEC) * HD / 4];
+  threadgroup float ss[attn_bm(HD, DEC) * attn_bc(HD, DEC)];
+  attn_impl<HD, true, DEC>(args, pos[0], q, k_cache, v_cache, nullptr, nullptr, part, qs, ks, vs, ss, tg, ntg, tid);
+}
+
+// ---- attn_sg / attn_sg_split (switch attn_simdgroup): the same tiles on simdgroup matrices ----------
+// Threadgroup = 8 simdgroups: simdgroup sg owns packed rows 8·(sg/2) .. +7 of the BM = 32 and head-dim half sg % 2.
+// It holds its rows' q half as HD/16 matrices and its rows' O half as HD/16 accumulators for the whole key range. Per
+// key tile (BC keys, staged as fp32 Kᵀ [HD][BC+4] and V [BC][HD+4]): each simdgroup multiplies its q half into the
+// scores' half-sums (8 × BC) in `sp`; each simdgroup then takes 4 of its block's 8 rows (8 lanes a row, keys
+// kl + 8i) for the online softmax: adds the halves, masks, the row max and sum by xor shuffles inside the 8 lanes,
+// writes P over the half-0 sums and α = 2^(m_old − m_new) on the diagonal of its block's 8×8 `dg`; last the pair
+// rescales its accumulators as O ← diag(α)·O (skipped when no row's max moved) and adds P·V.
+template <int HD, bool SPLIT>
+inline void attn_sg_impl(constant AttnMainArgs& a, int pos0, device const float* q, device const ushort* k_cache,
+                         device const ushort* v_cache, device const ushort* qg, device ushort* out, device float* part,
+                         threadgroup float* tile, threadgroup float* sp, threadgroup float* dg, threadgroup int* moved,
+                         threadgroup float* lrow, uint3 tg, uint3 ntg, uint tid, uint sg, uint lane) {
+  constexpr int BM = ATTN_SG_BM, BC = attn_sg_bc(HD), NT = ATTN_SG_NT, C4 = HD / 4, H2 = HD / 2, NQ = H2 / 8;
+  constexpr int LDK = BC + 4, LDV = HD + 4, LDS = BC + 4, LDO = H2 + 4;
+  threadgroup float* kt = tile;             // Kᵀ of the tile: [HD][LDK]
+  threadgroup float* vt = tile + HD * LDK;  // V of the tile: [BC][LDV]
+  const int G = a.G, nrows = a.T * a.G, kvh = int(tg.y), split = int(tg.z);
+  const int r0 = (int(ntg.x) - 1 - int(tg.x)) * BM;  // late rows see the most keys: they start first
+  const int t_hi = min(a.T - 1, (r0 + BM - 1) / G);
+  const int k0 = split * a.block;
+  const int kend = min(min(k0 + a.block, pos0 + t_hi + 1), a.cache_cap);
+  if (k0 >= kend) return;  // the whole threadgroup: this block lies past the live keys
+  const int rb = int(sg) / 2, hh = int(sg) % 2;  // row block, head-dim half
+  const int rr = hh * 4 + int(lane) / 8, kl = int(lane) % 8;  // softmax role: row rr of the block, keys kl + 8i
+  const int r = r0 + rb * 8 + rr;
+  const int lim = r < nrows ? min(pos0 + r / G + 1, kend) : 0;  // key kt + j is visible to row r iff kt + j < lim
+
+  for (int i = int(tid); i < 4 * 64; i += NT) dg[i] = 0.0f;  // the diagonals are written per tile, the rest stays 0
+  // Q, pre-scaled into the log2 domain (zero past nrows), through `tile` one head-dim half at a time.
+  simdgroup_float8x8 qm[NQ];
+  for (int h = 0; h < 2; ++h) {
+    for (int i = int(tid); i < BM * H2 / 4; i += NT) {
+      const int rl = i / (H2 / 4), c = i % (H2 / 4), rq = r0 + rl;
+      float4 x = float4(0.0f);
+      if (rq < nrows)
+        x = ((device const float4*)(q + ((rq / G) * a.NH + kvh * G + rq % G) * HD + h * H2))[c] * a.scale_log2;
+      threadgroup float* d = tile + rl * LDO + 4 * c;
+      d[0] = x.x;
+      d[1] = x.y;
+      d[2] = x.z;
+      d[3] = x.w;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (hh == h)
+      for (int d = 0; d < NQ; ++d) simdgroup_load(qm[d], tile + rb * 8 * LDO + 8 * d, LDO);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  simdgroup_float8x8 om[NQ];
+  for (int d = 0; d < NQ; ++d) om[d] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  float m = MASKED, l = 0.0f;  // the row's running max and sum (the same in its 8 lanes)
+  for (int kt0 = k0; kt0 < kend; kt0 += BC) {
+    // (1) The tile's keys and values as fp32 (zero past kend).
+    for (int i = int(tid); i < BC * C4; i += NT) {
+      const int j = i / C4, c = i % C4, key = kt0 + j;
+      uint2 wk = uint2(0u, 0u), wv = uint2(0u, 0u);
+      if (key < kend) {
+        wk = ((device const uint2*)(k_cache + (key * a.NKV + kvh) * HD))[c];
+        wv = ((device const uint2*)(v_cache + (key * a.NKV + kvh) * HD))[c];
+      }
+      const float4 fk = bf16x4(wk), fv = bf16x4(wv);
+      kt[(4 * c) * LDK + j] = fk.x;
+      kt[(4 * c + 1) * LDK + j] = fk.y;
+      kt[(4 * c + 2) * LDK + j] = fk.z;
+      kt[(4 * c + 3) * LDK + j] = fk.w;
+      threadgroup float* vd = vt + j * LDV + 4 * c;
+      vd[0] = fv.x;
+      vd[1] = fv.y;
+      vd[2] = fv.z;
+      vd[3] = fv.w;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // (2) This half's share of the block's scores: S_hh = Q[:, half] · Kᵀ[half, :].
+    for (int jb = 0; jb < BC / 8; ++jb) {
+      simdgroup_float8x8 s = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (int d = 0; d < NQ; ++d) {
+        simdgroup_float8x8 kb;
+        simdgroup_load(kb, kt + (hh * H2 + 8 * d) * LDK + 8 * jb, LDK);
+        simdgroup_multiply_accumulate(s, qm[d], kb, s);
+      }
+      simdgroup_store(s, sp + (hh * BM + rb * 8) * LDS + 8 * jb, LDS);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // (3) Online softmax of row rr: P over the half-0 sums, α on the block's diagonal.
+    {
+      threadgroup float* s0 = sp + (rb * 8 + rr) * LDS;
+      threadgroup const float* s1 = sp + (BM + rb * 8 + rr) * LDS;
+      float sv[BC / 8];
+      float mx = m;
+      for (int i = 0; i < BC / 8; ++i) {
+        const int j = kl + 8 * i;
+        sv[i] = kt0 + j < lim ? s0[j] + s1[j] : MASKED;  // s = q·k·HD^-1/2·log2 e
+        mx = max(mx, sv[i]);
+      }
+      mx = max(mx, simd_shuffle_xor(mx, ushort(1)));
+      mx = max(mx, simd_shuffle_xor(mx, ushort(2)));
+      mx = max(mx, simd_shuffle_xor(mx, ushort(4)));
+      const float alpha = exp2(m - mx);  // 0 when m was the sentinel and a key is visible now; 1 when nothing changed
+      float ps = 0.0f;
+      for (int i = 0; i < BC / 8; ++i) {
+        const float p = sv[i] == MASKED ? 0.0f : exp2(sv[i] - mx);
+        s0[kl + 8 * i] = p;
+        ps += p;
+      }
+      ps += simd_shuffle_xor(ps, ushort(1));
+      ps += simd_shuffle_xor(ps, ushort(2));
+      ps += simd_shuffle_xor(ps, ushort(4));
+      l = l * alpha + ps;
+      m = mx;
+      if (kl == 0) dg[rb * 64 + rr * 9] = alpha;
+      const bool any_moved = simd_any(alpha != 1.0f);
+      if (lane == 0) moved[rb * 2 + hh] = any_moved ? 1 : 0;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // (4) O ← diag(α)·O + P·V for this half.
+    if (moved[rb * 2] != 0 || moved[rb * 2 + 1] != 0) {
+      simdgroup_float8x8 da;
+      simdgroup_load(da, dg + rb * 64, 8);
+      for (int d = 0; d < NQ; ++d) {
+        simdgroup_float8x8 scaled;
+        simdgroup_multiply(scaled, da, om[d]);
+        om[d] = scaled;
+      }
+    }
+    for (int jb = 0; jb < BC / 8; ++jb) {
+      simdgroup_float8x8 pm;
+      simdgroup_load(pm, sp + (rb * 8) * LDS + 8 * jb, LDS);
+      for (int d = 0; d < NQ; ++d) {
+        simdgroup_float8x8 vb;
+        simdgroup_load(vb, vt + (8 * jb) * LDV + hh * H2 + 8 * d, LDV);
+        simdgroup_multiply_accumulate(om[d], pm, vb, om[d]);  // O += 2^(s−m)·v
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile, the scores and the diagonals are free
+  }
+
+  if (SPLIT) {  // the partials: rows r0 + 8·rb .. of this split (rows < Rpad: inside the buffer), and (m, l) per row
+    const int prow0 = (split * a.NKV + kvh) * a.Rpad + r0 + rb * 8;
+    for (int d = 0; d < NQ; ++d) simdgroup_store(om[d], part + prow0 * HD + hh * H2 + 8 * d, HD);
+    if (kl == 0 && r < nrows) {
+      device float* ml = part + a.S * a.NKV * a.Rpad * HD + (prow0 + rr) * 2;
+      ml[0] = m;
+      ml[1] = l;
+    }
+    return;
+  }
+  if (kl == 0) lrow[rb * 8 + rr] = l;
+  for (int h = 0; h < 2; ++h) {  // the gated output, one head-dim half at a time through `tile`
+    if (hh == h)
+      for (int d = 0; d < NQ; ++d) simdgroup_store(om[d], tile + rb * 8 * LDO + 8 * d, LDO);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int i = int(tid); i < BM * H2; i += NT) {
+      const int rl = i / H2, c = i % H2, ro = r0 + rl;
+      if (ro >= nrows) continue;
+      const int row = (ro / G) * a.NH + kvh * G + ro % G;  // (t, h) row of qg and out
+      const int dcol = h * H2 + c;
+      const float g = bf16_to_float(qg[row * 2 * HD + HD + dcol]);
+      out[row * HD + dcol] = float_to_bf16(tile[rl * LDO + c] / lrow[rl] * sigmoid_f(g));
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+// S == 1: the gated output directly.
+template <int HD>
+[[kernel, max_total_threads_per_threadgroup(256)]] void attn_sg(
+    constant AttnMainArgs& args [[buffer(0)]],
+    device const int* pos [[buffer(1)]],
+    device const float* q [[buffer(2)]],
+    device const ushort* k_cache [[buffer(3)]],
+    device const ushort* v_cache [[buffer(4)]],
+    device const ushort* qg [[buffer(5)]],
+    device ushort* out [[buffer(6)]],
+    uint3 tg [[threadgroup_position_in_grid]],
+    uint3 ntg [[threadgroups_per_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float tile[attn_sg_tile(HD)];
+  threadgroup float sp[2 * ATTN_SG_BM * (attn_sg_bc(HD) + 4)];
+  threadgroup float dg[4 * 64];
+  threadgroup int moved[8];
+  threadgroup float lrow[ATTN_SG_BM];
+  attn_sg_impl<HD, false>(args, pos[0], q, k_cache, v_cache, qg, out, nullptr, tile, sp, dg, moved, lrow, tg, ntg, tid,
+                          sg, lane);
+}
+
+// S > 1: fp32 partials (O, m, l) of key block z, merged by attn_combine.
+template <int HD>
+[[kernel, max_total_threads_per_threadgroup(256)]] void attn_sg_split(
+    constant AttnMainArgs& args [[buffer(0)]],
+    device const int* pos [[buffer(1)]],
+    device const float* q [[buffer(2)]],
+    device const ushort* k_cache [[buffer(3)]],
+    device const ushort* v_cache [[buffer(4)]],
+    device float* part [[buffer(5)]],
+    uint3 tg [[threadgroup_position_in_grid]],
+    uint3 ntg [[threadgroups_per_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float tile[attn_sg_tile(HD)];
+  threadgroup float sp[2 * ATTN_SG_BM * (attn_sg_bc(HD) + 4)];
+  threadgroup float dg[4 * 64];
+  threadgroup int moved[8];
+  threadgroup float lrow[ATTN_SG_BM];
+  attn_sg_impl<HD, true>(args, pos[0], q, k_cache, v_cache, nullptr, nullptr, part, tile, sp, dg, moved, lrow, tg, ntg,
+                         tid, sg, lane);
 }
 
 // ---- attn_combine: one threadgroup per (t, h); thread = (float4 column c, group g of key blocks) -------------------
@@ -330,11 +559,25 @@ template <int HD>
   for (int e = 0; e < 4; ++e) dst[e] = float_to_bf16(ov[e] / Lx * sigmoid_f(bf16_to_float(gate[e])));
 }
 
-template [[host_name("attn_main_hd32")]] [[kernel]] decltype(attn_main<32>) attn_main<32>;
-template [[host_name("attn_main_hd64")]] [[kernel]] decltype(attn_main<64>) attn_main<64>;
-template [[host_name("attn_main_hd128")]] [[kernel]] decltype(attn_main<128>) attn_main<128>;
-template [[host_name("attn_main_hd256")]] [[kernel]] decltype(attn_main<256>) attn_main<256>;
-template [[host_name("attn_split_hd32")]] [[kernel]] decltype(attn_split<32>) attn_split<32>;
-template [[host_name("attn_split_hd64")]] [[kernel]] decltype(attn_split<64>) attn_split<64>;
-template [[host_name("attn_split_hd128")]] [[kernel]] decltype(attn_split<128>) attn_split<128>;
-template [[host_name("attn_split_hd256")]] [[kernel]] decltype(attn_split<256>) attn_split<256>;
+template [[host_name("attn_main_hd32")]] [[kernel]] decltype(attn_main<32, false>) attn_main<32, false>;
+template [[host_name("attn_main_hd64")]] [[kernel]] decltype(attn_main<64, false>) attn_main<64, false>;
+template [[host_name("attn_main_hd64_r8")]] [[kernel]] decltype(attn_main<64, true>) attn_main<64, true>;
+template [[host_name("attn_main_hd128")]] [[kernel]] decltype(attn_main<128, false>) attn_main<128, false>;
+template [[host_name("attn_main_hd128_r8")]] [[kernel]] decltype(attn_main<128, true>) attn_main<128, true>;
+template [[host_name("attn_main_hd256")]] [[kernel]] decltype(attn_main<256, false>) attn_main<256, false>;
+template [[host_name("attn_main_hd256_r8")]] [[kernel]] decltype(attn_main<256, true>) attn_main<256, true>;
+template [[host_name("attn_split_hd32")]] [[kernel]] decltype(attn_split<32, false>) attn_split<32, false>;
+template [[host_name("attn_split_hd64")]] [[kernel]] decltype(attn_split<64, false>) attn_split<64, false>;
+template [[host_name("attn_split_hd64_r8")]] [[kernel]] decltype(attn_split<64, true>) attn_split<64, true>;
+template [[host_name("attn_split_hd128")]] [[kernel]] decltype(attn_split<128, false>) attn_split<128, false>;
+template [[host_name("attn_split_hd128_r8")]] [[kernel]] decltype(attn_split<128, true>) attn_split<128, true>;
+template [[host_name("attn_split_hd256")]] [[kernel]] decltype(attn_split<256, false>) attn_split<256, false>;
+template [[host_name("attn_split_hd256_r8")]] [[kernel]] decltype(attn_split<256, true>) attn_split<256, true>;
+template [[host_name("attn_sg_hd32")]] [[kernel]] decltype(attn_sg<32>) attn_sg<32>;
+template [[host_name("attn_sg_hd64")]] [[kernel]] decltype(attn_sg<64>) attn_sg<64>;
+template [[host_name("attn_sg_hd128")]] [[kernel]] decltype(attn_sg<128>) attn_sg<128>;
+template [[host_name("attn_sg_hd256")]] [[kernel]] decltype(attn_sg<256>) attn_sg<256>;
+template [[host_name("attn_sg_split_hd32")]] [[kernel]] decltype(attn_sg_split<32>) attn_sg_split<32>;
+template [[host_name("attn_sg_split_hd64")]] [[kernel]] decltype(attn_sg_split<64>) attn_sg_split<64>;
+template [[host_name("attn_sg_split_hd128")]] [[kernel]] decltype(attn_sg_split<128>) attn_sg_split<128>;
+template [[host_name("attn_sg_split_hd256")]] [[kernel]] decltype(attn_sg_split<256>) attn_sg_split<256>;

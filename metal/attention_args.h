@@ -10,8 +10,26 @@
 
 // attn_main tile: BM packed query rows (row r = t·G + j of one kv head) against key tiles of BC keys. Q (fp32) + the
 // K, V tiles (bf16) + the scores stay under Apple's 32 KB of threadgroup memory: 24.6 KB at HD = 256, 26.1 KB at 128.
-constexpr int attn_bm(int hd) { return hd == 256 ? 16 : 32; }
-constexpr int attn_bc(int hd) { return hd == 256 ? 8 : hd == 128 ? 16 : 32; }
+// The decode tile (switch attn_decode_tile: at most ATTN_DECODE_BM packed rows per kv head, HD ≥ 64) is 8 rows and
+// 16 keys, so that no thread scores or accumulates rows past the token's G query heads: 25.2 KB at HD = 256.
+#define ATTN_DECODE_BM 8
+constexpr int attn_bm(int hd, bool decode) { return decode ? ATTN_DECODE_BM : hd == 256 ? 16 : 32; }
+constexpr int attn_bc(int hd, bool decode) { return decode ? 16 : hd == 256 ? 8 : hd == 128 ? 16 : 32; }
+
+// attn_simdgroup tile (switch attn_simdgroup, prefill): ATTN_SG_BM packed rows as 4 blocks of 8, each block's scores
+// and output split over two simdgroups by head-dim half; key tiles of attn_sg_bc keys staged as fp32 (Kᵀ and V), so
+// that a tile of either is 8 KB at most. Threadgroup memory: 24.9 KB at HD = 256, 28.3 KB at HD = 64 (the largest).
+#define ATTN_SG_NT 256     // attn_simdgroup: threads per threadgroup (8 simdgroups)
+#define ATTN_SG_BM 32      // attn_simdgroup: packed rows per threadgroup
+#define ATTN_SG_MIN_ROWS 32  // the launcher takes attn_simdgroup from this many packed rows per kv head (T·G)
+constexpr int attn_sg_bc(int hd) { return hd == 256 ? 8 : hd == 128 ? 16 : 32; }
+// Floats of the staging tile: Kᵀ [HD][BC + 4] and V [BC][HD + 4] while the keys run; Q and then O, one head-dim half
+// at a time, as [BM][HD/2 + 4] before and after.
+constexpr int attn_sg_tile(int hd) {
+  return hd * (attn_sg_bc(hd) + 4) + attn_sg_bc(hd) * (hd + 4) > ATTN_SG_BM * (hd / 2 + 4)
+             ? hd * (attn_sg_bc(hd) + 4) + attn_sg_bc(hd) * (hd + 4)
+             : ATTN_SG_BM * (hd / 2 + 4);
+}
 
 // attn_prep: q/k RMSNorm, RoPE, cache append. One item = one (token, q head) or (token, kv head).
 struct AttnPrepArgs {

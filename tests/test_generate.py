@@ -110,6 +110,57 @@ def test_eos_finishes_with_stop_and_adds_no_text(endless_model, new_tiny_model, 
     assert _text(responses) == model.tokenizer.decode(free[:k])
 
 
+def test_ignore_eos_runs_on_to_max_tokens(endless_model, new_tiny_model, rng):
+    """vLLM's ignore_eos: an end-of-sequence token is one more token of the reply (its text included), and the reply
+    runs to max_tokens; a chat that ran past one is not recorded for continuing (the state holds text after the turn's
+    end)."""
+    def first_new(tokens):  # a token that did not occur before it: declared EOS, it ends the greedy run there
+        return next((i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i]), 0)
+
+    prompt = _prompt(rng, endless_model)
+    free = [r.token for r in _run(endless_model, prompt, temperature=0.0, max_tokens=12)]
+    k = first_new(free)
+    model = new_tiny_model()
+    model.eos_token_ids = [free[k]]
+    stopped = _run(model, prompt, temperature=0.0, max_tokens=12)
+    assert [r.token for r in stopped] == free[:k + 1] and stopped[-1].finish_reason == "stop"
+    responses = _run(model, prompt, temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert [r.token for r in responses] == free
+    assert [r.finish_reason for r in responses] == [None] * 11 + ["length"]
+    assert _text(responses) == model.tokenizer.decode(free)
+
+    messages = [{"role": "user", "content": "hi"}]
+    session = model.session()
+    ids = model.encode_prompt(messages)
+    free = [r.token for r in _run(endless_model, ids, temperature=0.0, max_tokens=6)]
+    model.eos_token_ids = [free[first_new(free)]]
+    assert [r.token for r in _run(model, messages, session=session, temperature=0.0, max_tokens=6,
+                                  ignore_eos=True)] == free
+    assert session.conversation is None
+    model.eos_token_ids = []
+    _run(model, messages, session=session, temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert session.conversation is not None  # no end-of-sequence token was passed: the reply can be continued
+
+
+def test_logit_bias_moves_the_choice(endless_model, rng):
+    """OpenAI's logit_bias, added to the logits before anything else: -100 bans the greedy token, +100 makes a token
+    the greedy choice at every step; the reported logprobs stay those of the raw logits."""
+    prompt = _prompt(rng, endless_model)
+    free = _run(endless_model, prompt, temperature=0.0, max_tokens=4, top_logprobs=2)
+    banned = _run(endless_model, prompt, temperature=0.0, max_tokens=4, logit_bias={free[0].token: -100})
+    assert banned[0].token != free[0].token
+    forced_id = int(rng.integers(endless_model.n_valid))
+    forced = _run(endless_model, prompt, temperature=0.0, max_tokens=4, top_logprobs=2,
+                  logit_bias={forced_id: 100})
+    assert [r.token for r in forced] == [forced_id] * 4
+    assert forced[0].top_logprobs == free[0].top_logprobs  # raw logits: the bias does not show in them
+    sampled = _run(endless_model, prompt, temperature=1.0, top_k=0, max_tokens=4, seed=_seed(rng),
+                   logit_bias={forced_id: 100})
+    assert [r.token for r in sampled] == [forced_id] * 4  # exp(100) outweighs 248K tokens of the tiny model
+    with pytest.raises(ValueError, match=r"SamplingParams\.logit_bias: token id .* outside"):
+        _run(endless_model, prompt, max_tokens=2, logit_bias={endless_model.n_valid: 1.0})
+
+
 def test_stop_string_truncates_output(endless_model, rng):
     prompt = _prompt(rng, endless_model)
     full = _text(_run(endless_model, prompt, temperature=0.0, max_tokens=24))

@@ -58,7 +58,10 @@ BAD_PARAMS = [("temperature", -0.1), ("temperature", math.nan), ("top_k", -1), (
               ("top_logprobs", 21)]
 
 
-@pytest.mark.parametrize("field,value", BAD_PARAMS + [("max_tokens", 0), ("stop", "\n"), ("stop", [""]), ("seed", -1)])
+@pytest.mark.parametrize("field,value", BAD_PARAMS + [
+    ("max_tokens", 0), ("stop", "\n"), ("stop", [""]), ("seed", -1), ("logit_bias", [1, 2]), ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {3: 100.5}), ("logit_bias", {3: math.nan}), ("logit_bias", {"3": 1.0}), ("logit_bias", {True: 1.0}),
+    ("logit_bias", {i: 1.0 for i in range(1025)}), ("ignore_eos", 1)])
 def test_python_params_rejected(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
@@ -266,6 +269,45 @@ def test_logprobs_are_raw_log_softmax_and_top_sorted():
     np.testing.assert_allclose(r.top_logprobs, expected[order], atol=1e-5)
     assert list(r.top_logprobs) == sorted(r.top_logprobs, reverse=True)
     assert core_sampler().sample(logits).top_ids == []
+
+
+@needs_core
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(), dict(top_k=30, top_p=0.8),
+                                dict(repetition_penalty=1.3, presence_penalty=0.5, temperature=0.7, min_p=0.05)])
+def test_logit_bias_matches_reference(kw):
+    """The bias is added to the raw logits first (then penalties, temperature, filters): the C++ sampler against the
+    reference, with biases that ban (-100), all but force (+100) and nudge."""
+    rng = np.random.default_rng(len(str(kw)) + 7)
+    for _ in range(3):
+        logits = random_logits(rng, V)
+        prompt, generated = rng.integers(0, N_VALID, 30), rng.integers(0, N_VALID, 25)
+        ids = rng.choice(N_VALID, 12, replace=False)
+        bias = {int(i): float(b) for i, b in zip(ids, [-100, -100, 100] + list(rng.uniform(-5, 5, 9)))}
+        if kw.get("temperature") == 0.0 or rng.random() < 0.5:
+            bias.pop(int(ids[2]))  # not always a forced token
+        params = SamplingParams(**kw, logit_bias=bias, seed=int(rng.integers(2**63)))
+        bias_ids, bias_values = params.bias_arrays()
+        s = _core.Sampler(params.to_core(), V, N_VALID, bias_ids=bias_ids, bias_values=bias_values)
+        s.add_prompt(list(prompt))
+        for t in generated:
+            s.accept(t)
+        ref = reference_probs(logits, params, prompt, generated, N_VALID)
+        got = s.probs(logits)
+        np.testing.assert_array_equal(got > 0, ref > 1e-30)  # a banned token's e^-100 underflows in float32
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-9)
+        assert s.sample(logits).token == reference_sample(logits, params, prompt, generated, N_VALID)
+        if int(ids[2]) in bias:
+            assert ref[int(ids[2])] > 0.999
+        assert ref[int(ids[0])] < 1e-30 and ref[int(ids[1])] < 1e-30
+
+
+@needs_core
+@pytest.mark.parametrize("ids,values,match", [([5, 990], [1.0, 1.0], "token id 990 outside"), ([-1], [1.0], "-1"),
+                                              ([4, 4], [1.0, 2.0], "token id 4 twice"), ([4], [], "1 ids but 0"),
+                                              ([4], [math.inf], "finite")])
+def test_core_logit_bias_rejected(ids, values, match):
+    with pytest.raises(ValueError, match=f"SamplingParams.logit_bias: .*{match}"):
+        _core.Sampler(_core.SamplingParams(), V, N_VALID, bias_ids=ids, bias_values=values)
 
 
 @needs_core

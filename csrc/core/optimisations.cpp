@@ -71,6 +71,12 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::moe_dp4a, "moe_dp4a", "cuda",
        "decode MoE: the gate+up kernel's dot products on dp4a the same way, each block staging m once in shared "
        "memory in 16-bit fixed point, instead of every lane holding its chunks of m as fp32 in registers"},
+      {Opt::attn_simdgroup, "attn_simdgroup", "metal",
+       "prefill attention with its two products (Q·Kᵀ, P·V) on simdgroup matrices, the keys and values staged as fp32 "
+       "tiles, instead of scalar fp32 dot products over the same tiles"},
+      {Opt::attn_decode_tile, "attn_decode_tile", "metal",
+       "decode attention (at most 8 packed query rows per kv head) on a tile of 8 rows and 16 keys instead of the "
+       "prefill tile of 16 or 32 rows, so that no thread works for rows past the token's query heads"},
   };
   return table;
 }

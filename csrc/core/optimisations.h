@@ -69,6 +69,13 @@ enum class Opt : int {
                      //   GPUs have no integer dot-product instruction (benchmarks/NOTES.md, Metal)
   moe_dp4a,          // CUDA: the decode MoE's gate+up dot products the same way, each block staging m once in shared
                      //   memory as x16, instead of every lane holding its chunks of m as fp32. Not on Metal (as above)
+  attn_simdgroup,    // Metal: prefill attention (from ATTN_SG_MIN_ROWS packed rows per kv head) with Q·Kᵀ and P·V
+                     //   on simdgroup matrices (metal/attention.metal attn_sg) instead of scalar fp32 tiles. CUDA's
+                     //   prefill attention is on tensor cores already (attention.cu attn_mma_kernel, attn_wgmma)
+  attn_decode_tile,  // Metal: decode attention (≤ ATTN_DECODE_BM packed rows per kv head, HD ≥ 64) on a tile of 8 rows
+                     //   and 16 keys instead of the prefill tile of 16 or 32 rows, whose rows past the token's G
+                     //   query heads are scored and accumulated for nothing. CUDA's decode packs the G rows into
+                     //   tensor-core tiles (attention.cu)
   kCount
 };
 

@@ -2,6 +2,7 @@
 // sample: pick the next token from one row of logits (host reference; the device `sample` ops match it).
 //
 // Math     x = logits[0, n_valid)                                         (padding rows never kept)
+//          bias        x_i ← x_i + b_i                                        for the ids of LogitBias
 //          penalties   x_i ← x_i>0 ? x_i/r : x_i·r           for i in prompt ∪ generated  (repetition, HF/vLLM)
 //                      x_i ← x_i − f·count_i − s·[count_i>0]  for i in generated          (frequency, presence)
 //          temperature x ← x / T;  T = 0: token = argmax x (lowest id on ties), no draw
@@ -15,9 +16,10 @@
 // Traffic  V = 248320: logits 0.99 MB read once, x/vals scratch 2 × 0.99 MB; penalties touch distinct seen ids only
 // Work     O(V): one copy, one heap pass (top-k), one exp pass (logprobs); top-p halves the candidates with
 //          nth_element towards the position where the sorted mass reaches top_p, then sorts ≤ 256 of them
-// Checks   params validated in the constructor; logits without NaN/+inf and not all −inf; ids in [0, n_valid)
+// Checks   params and the logit bias (distinct ids in [0, n_valid), finite values) validated in the constructor;
+//          logits without NaN/+inf and not all −inf; ids in [0, n_valid)
 // Ref      src/lily/sampling.py reference_probs / reference_sample · Test tests/test_sampling.py
-// History  v1 threshold selection + counter-based draw (current)
+// History  v1 threshold selection + counter-based draw · v2 (current) OpenAI's logit bias, host only
 #include "core/sample.h"
 
 #include <algorithm>
@@ -43,8 +45,8 @@ static void require(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument("SamplingParams." + msg);
 }
 
-Sampler::Sampler(const SamplingParams& p, int vocab_size, int n_valid)
-    : p_(p), vocab_size_(vocab_size), n_valid_(n_valid) {
+Sampler::Sampler(const SamplingParams& p, int vocab_size, int n_valid, const LogitBias& bias)
+    : p_(p), bias_(bias), vocab_size_(vocab_size), n_valid_(n_valid) {
   // Negated comparisons so that NaN fails too.
   require(p.temperature >= 0 && std::isfinite(p.temperature), "temperature must be finite and >= 0");
   require(p.top_k >= 0, "top_k must be >= 0 (0 = off)");
@@ -57,6 +59,16 @@ Sampler::Sampler(const SamplingParams& p, int vocab_size, int n_valid)
   if (n_valid < 1 || n_valid > vocab_size)
     throw std::invalid_argument("Sampler: need 1 <= n_valid <= vocab_size, got n_valid=" + std::to_string(n_valid) +
                                 ", vocab_size=" + std::to_string(vocab_size));
+  require(bias.ids.size() == bias.values.size(), "logit_bias: " + std::to_string(bias.ids.size()) + " ids but " +
+                                                     std::to_string(bias.values.size()) + " values");
+  std::vector<int32_t> sorted = bias.ids;
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    require(sorted[i] >= 0 && sorted[i] < n_valid, "logit_bias: token id " + std::to_string(sorted[i]) +
+                                                       " outside [0, n_valid=" + std::to_string(n_valid) + ")");
+    require(i == 0 || sorted[i] != sorted[i - 1], "logit_bias: token id " + std::to_string(sorted[i]) + " twice");
+  }
+  for (float v : bias.values) require(std::isfinite(v), "logit_bias: every value must be finite");
   x_.resize(n_valid);
   vals_.resize(n_valid);
   cand_.resize(n_valid);
@@ -93,6 +105,7 @@ void Sampler::process(const float* logits) {
       throw std::invalid_argument("Sampler: logits[" + std::to_string(i) + "] is " + std::to_string(v));
     x_[i] = v;
   }
+  for (size_t k = 0; k < bias_.ids.size(); ++k) x_[bias_.ids[k]] += bias_.values[k];
   const float r = p_.repetition_penalty, f = p_.frequency_penalty, s = p_.presence_penalty;
   if (r != 1.0f)
     for (int i : seen_ids_) x_[i] = x_[i] > 0 ? x_[i] / r : x_[i] * r;

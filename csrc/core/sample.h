@@ -1,6 +1,7 @@
 // csrc/core/sample.h
-// Token sampling on the host: penalties → temperature → top-k → top-p → min-p → renormalise → draw
-// (vLLM's order). The NumPy oracle is src/lily/sampling.py (reference_probs, reference_sample).
+// Token sampling on the host: logit bias → penalties → temperature → top-k → top-p → min-p → renormalise
+// → draw (vLLM's order; the bias first, as mlx-lm's and llama.cpp's). The NumPy oracle is src/lily/sampling.py
+// (reference_probs, reference_sample).
 //
 // Kept set. Every filter is a threshold on the processed logit x, so the kept set is always
 // {i < n_valid : x_i ≥ t} for one t, and ties at a boundary are kept or dropped together:
@@ -33,6 +34,13 @@ struct SamplingParams {
   int top_logprobs = 0;              // number of top alternatives to report (0..20)
 };
 
+// Added to the logits of these ids before anything else (OpenAI's logit_bias). Host sampling only: it lives beside
+// SamplingParams, which device samplers take by value, so that those stay plain data.
+struct LogitBias {
+  std::vector<int32_t> ids;   // distinct, in [0, n_valid)
+  std::vector<float> values;  // finite, one per id
+};
+
 struct SampleResult {
   int token;
   float logprob;                     // log_softmax(raw logits)[token]: before penalties and temperature
@@ -52,7 +60,7 @@ double to_unit_double(uint64_t x);
 class Sampler {
  public:
   // Throws std::invalid_argument naming the field. Logits at ids ≥ n_valid (vocab padding) are never chosen.
-  Sampler(const SamplingParams& p, int vocab_size, int n_valid);
+  Sampler(const SamplingParams& p, int vocab_size, int n_valid, const LogitBias& bias = {});
   void add_prompt(const int32_t* ids, int n);   // counts for repetition penalty only
   void accept(int token);                        // a generated token: counts for all penalties; advances step
   SampleResult sample(const float* logits);      // logits [vocab_size], not modified; does not call accept
@@ -70,6 +78,7 @@ class Sampler {
   float top_p_threshold(int n, double target, float x_max);  // over vals_[0, n)
 
   SamplingParams p_;
+  LogitBias bias_;
   int vocab_size_, n_valid_;
   uint64_t step_ = 0;
   int n_cand_ = 0;

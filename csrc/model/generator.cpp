@@ -8,19 +8,19 @@
 namespace lily {
 
 Generator::Generator(Session& session, const SamplingParams& params, std::vector<int> eos_ids, int max_tokens,
-                     int n_valid)
+                     int n_valid, const LogitBias& bias)
     : s_(session),
       be_(session.backend()),
       params_(params),
       n_valid_(n_valid),
-      sampler_(params, session.vocab_size(), n_valid),
+      sampler_(params, session.vocab_size(), n_valid, bias),
       eos_(std::move(eos_ids)),
       max_tokens_(max_tokens),
       logits_(session.vocab_size()) {
   LILY_CHECK(max_tokens >= 0, "max_tokens must be ≥ 0, got ", max_tokens);
   Session::Hold hold(s_);
   epoch_ = s_.epoch();
-  device_ = be_.can_sample(params, n_valid);
+  device_ = bias.ids.empty() && be_.can_sample(params, n_valid);
   if (!device_) return;
   static std::atomic<uint64_t> serials{1};
   serial_ = serials++;

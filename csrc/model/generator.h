@@ -28,8 +28,10 @@ struct GenStep {
 // its next call throws SessionConflict instead of continuing from a state that is no longer its own.
 class Generator {
  public:
-  // n_valid: ids ≥ n_valid are vocabulary padding (never sampled).
-  Generator(Session& session, const SamplingParams& params, std::vector<int> eos_ids, int max_tokens, int n_valid);
+  // n_valid: ids ≥ n_valid are vocabulary padding (never sampled). A logit bias keeps the loop on the host (the
+  // device samplers take none).
+  Generator(Session& session, const SamplingParams& params, std::vector<int> eos_ids, int max_tokens, int n_valid,
+            const LogitBias& bias = {});
   ~Generator();
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;

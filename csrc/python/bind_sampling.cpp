@@ -59,7 +59,14 @@ void init_sampling(nb::module_& m) {
       .def_ro("top_logprobs", &SampleResult::top_logprobs);
 
   nb::class_<Sampler>(m, "Sampler", "Per-sequence sampler: penalties, temperature, top-k, top-p, min-p, draw.")
-      .def(nb::init<const SamplingParams&, int, int>(), "params"_a, "vocab_size"_a, "n_valid"_a)
+      .def(
+          "__init__",
+          [](Sampler* s, const SamplingParams& p, int vocab_size, int n_valid, std::vector<int32_t> bias_ids,
+             std::vector<float> bias_values) {
+            new (s) Sampler(p, vocab_size, n_valid, lily::LogitBias{std::move(bias_ids), std::move(bias_values)});
+          },
+          "params"_a, "vocab_size"_a, "n_valid"_a, nb::kw_only(), "bias_ids"_a = std::vector<int32_t>(),
+          "bias_values"_a = std::vector<float>(), "bias_values[k] is added to the logit of bias_ids[k] first.")
       .def(
           "add_prompt",
           [](Sampler& s, const std::vector<int32_t>& ids) { s.add_prompt(ids.data(), static_cast<int>(ids.size())); },

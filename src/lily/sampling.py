@@ -1,7 +1,8 @@
 """Sampling parameters, and the NumPy reference sampler that lily._core.Sampler and the device ops are tested against.
 
-Order (vLLM's): penalties → temperature → top-k → top-p → min-p → renormalise → draw. The kept-set rules (ties at
-a boundary are kept or dropped together) and the counter-based draw are specified in csrc/core/sample.h.
+Order (vLLM's): logit bias → penalties → temperature → top-k → top-p → min-p → renormalise → draw. The kept-set
+rules (ties at a boundary are kept or dropped together) and the counter-based draw are specified in
+csrc/core/sample.h.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-5, 1e5
 MAX_PENALTY = 1e5  # |presence_penalty|, |frequency_penalty|
 # Stop strings: each is searched for at every token, so their count is bounded (OpenAI's API allows 4).
 MAX_STOPS = 64
+# logit_bias: OpenAI's range of a bias (-100 bans a token, 100 all but forces it); entries bounded as stop strings are.
+MAX_BIAS = 100
+MAX_BIAS_ENTRIES = 1024
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -40,6 +44,8 @@ class SamplingParams:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit first (OpenAI)
+    ignore_eos: bool = False         # True => end-of-sequence tokens do not end the reply (vLLM's, for benchmarks)
 
     def __post_init__(self):
         for name, kinds, ok, requirement in _RULES:
@@ -67,6 +73,11 @@ class SamplingParams:
             kw["max_tokens"] = gen["max_new_tokens"]
         return cls(**{**kw, **overrides})
 
+    def bias_arrays(self) -> tuple[list[int], list[float]]:
+        """logit_bias as the core takes it: ids ascending and their biases."""
+        ids = sorted(int(i) for i in self.logit_bias)
+        return ids, [float(self.logit_bias[i]) for i in ids]
+
     def to_core(self):
         """The lily._core.SamplingParams for one sequence (seed None => a fresh random 63-bit seed)."""
         from lily import _core
@@ -88,7 +99,7 @@ def _is_a(value, kinds: tuple) -> bool:
 
 def _kind_names(kinds: tuple) -> str:
     names = {numbers.Real: "a number", numbers.Integral: "an integer", bool: "a boolean", list: "a list",
-             type(None): "None"}
+             dict: "a dict", type(None): "None"}
     return " or ".join(names[k] for k in kinds)
 
 
@@ -123,6 +134,11 @@ _RULES = [
     ("stop", (list,), lambda v: len(v) <= MAX_STOPS and all(isinstance(s, str) and s for s in v),
      f"a list of at most {MAX_STOPS} non-empty strings"),
     ("logprobs", (bool,), lambda v: True, "a boolean"),
+    ("logit_bias", (dict,), lambda v: len(v) <= MAX_BIAS_ENTRIES and all(
+        _is_a(i, _INT) and 0 <= i <= INT32_MAX and _is_a(b, _REAL) and -MAX_BIAS <= b <= MAX_BIAS
+        for i, b in v.items()),
+     f"a dict of at most {MAX_BIAS_ENTRIES} token ids (integers >= 0) to biases in [-{MAX_BIAS}, {MAX_BIAS}]"),
+    ("ignore_eos", (bool,), lambda v: True, "a boolean"),
 ]
 
 
@@ -138,6 +154,9 @@ def reference_probs(logits: np.ndarray, params, prompt_ids, generated_ids, n_val
     """float64 [len(logits)]: the distribution the sampler draws from (one-hot at the argmax when greedy).
     `params` is a SamplingParams or a lily._core.SamplingParams."""
     x = np.asarray(logits, np.float64)[:n_valid].copy()
+    if isinstance(params, SamplingParams):
+        ids, biases = params.bias_arrays()
+        x[ids] = x[ids].astype(np.float32) + np.asarray(biases, np.float32)  # the core's float32 sum
     gen = np.asarray(generated_ids, np.int64)
     seen = np.union1d(np.asarray(prompt_ids, np.int64), gen)
     r = params.repetition_penalty

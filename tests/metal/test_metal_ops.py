@@ -29,8 +29,12 @@ def _switched(case) -> bool:
     """Whether a Metal switch changes this case's path: the chunked GDN prefill (gdn_chunked, T ≥ 16, policy.h), a
     decode token's GDN layer in one kernel (gdn_prep_fused, gdn_norm_fused, gdn_conv_fused; policy.h: gdn_token_path),
     and every MoE case: the one-threadgroup sort of the prefill path (moe_sort_scan) or, where the decode kernels take
-    the case (T ≤ kQmvMaxT = 8), the routing inside moe_gate_up (route_fused). test_op_matches_cpu_switches_off fails
-    if a case listed here dispatches the same kernels in both positions."""
+    the case (T ≤ kQmvMaxT = 8), the routing inside moe_gate_up (route_fused), and attention from ATTN_SG_MIN_ROWS = 32
+    packed rows per kv head (T·G: attn_simdgroup) or up to ATTN_DECODE_BM = 8 of them at HD ≥ 64 (attn_decode_tile).
+    test_op_matches_cpu_switches_off fails if a case listed here dispatches the same kernels in both positions."""
+    if case.op == "attention":
+        rows = case.dims["T"] * (case.dims["NH"] // case.dims["NKV"])
+        return rows >= 32 or (rows <= 8 and case.dims["HD"] >= 64)
     if case.op == "gdn_scan":
         return case.dims["T"] >= 16
     if case.op == "gdn_conv_scan_norm":

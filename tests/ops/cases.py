@@ -347,6 +347,17 @@ CASES = [
     Case("attention", dict(T=17, pos0=3, NH=4, NKV=2, HD=128), tags=("edge",)),
     Case("attention", dict(T=2, pos0=600, NH=4, NKV=1, HD=128), tags=("edge",)),
     Case("attention", dict(T=20, pos0=500, NH=2, NKV=1, HD=64), tags=("edge",)),
+    # Metal's simdgroup-matrix tiles (attn_simdgroup, ≥ 32 packed rows): split at each head dim, past 32K, an odd G
+    # (rows of one token across row blocks), one query head per kv head
+    Case("attention", dict(T=16, pos0=3000, **_attn_real), tags=("model",)),
+    Case("attention", dict(T=20, pos0=600, NH=4, NKV=1, HD=128), tags=("edge",)),
+    Case("attention", dict(T=9, pos0=33000, NH=4, NKV=1, HD=32), tags=("edge",)),
+    Case("attention", dict(T=13, pos0=7, NH=6, NKV=2, HD=64), tags=("edge",)),
+    Case("attention", dict(T=40, pos0=5, NH=2, NKV=2, HD=128), tags=("edge",)),
+    # Metal's decode tile (attn_decode_tile, ≤ 8 packed rows, HD ≥ 64): unsplit and split at HD = 64 and 128
+    Case("attention", dict(T=1, pos0=300, NH=8, NKV=2, HD=64), tags=("edge",)),
+    Case("attention", dict(T=2, pos0=900, NH=4, NKV=1, HD=64), tags=("edge",)),
+    Case("attention", dict(T=1, pos0=50, NH=4, NKV=1, HD=128), tags=("edge",)),
     # a replayed decode step: the kernels must take the position from the device, not the (stale) host value
     Case("attention", dict(T=1, pos0=700, NH=16, NKV=2, HD=256, device_pos=True), tags=("model",)),
     Case("attention", dict(T=1, pos0=40, NH=4, NKV=1, HD=32, device_pos=True), tags=("edge",)),

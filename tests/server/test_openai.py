@@ -148,12 +148,12 @@ def test_request_settings_reach_the_sampler_and_the_template(client, script, tin
         model="tiny", messages=[{"role": "user", "content": "hi"}, {"role": "system", "content": "Late rule."},
                                 {"role": "developer", "content": "Dev rule."}],
         temperature=0.3, top_p=0.7, presence_penalty=0.5, frequency_penalty=0.25, seed=11, stop=["END", "STOP"],
-        max_completion_tokens=9, logprobs=True, top_logprobs=4,
-        extra_body={"top_k": 7, "min_p": 0.05, "repetition_penalty": 1.1})
+        max_completion_tokens=9, logprobs=True, top_logprobs=4, logit_bias={"5": -100, "17": 2.5},
+        extra_body={"top_k": 7, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True})
     p = script.sampling[-1]
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
-            p.repetition_penalty, p.seed, p.stop, p.max_tokens, p.top_logprobs) == \
-        (0.3, 0.7, 7, 0.05, 0.5, 0.25, 1.1, 11, ["END", "STOP"], 9, 4)
+            p.repetition_penalty, p.seed, p.stop, p.max_tokens, p.top_logprobs, p.logit_bias, p.ignore_eos) == \
+        (0.3, 0.7, 7, 0.05, 0.5, 0.25, 1.1, 11, ["END", "STOP"], 9, 4, {5: -100.0, 17: 2.5}, True)
     # System messages anywhere are merged into one at the start.
     assert script.prompts[-1].startswith("<|im_start|>system\nLate rule.\n\nDev rule.<|im_end|>\n<|im_start|>user\nhi")
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
@@ -196,7 +196,12 @@ BAD_REQUESTS = [
      "messages[1].tool_calls[0].function.arguments", None),
     ("top-logprobs-without-logprobs", chat_body(top_logprobs=2), 400, "top_logprobs", None),
     ("json-schema", chat_body(response_format={"type": "json_object"}), 400, "response_format", None),
-    ("ignore-eos", chat_body(ignore_eos=True), 400, "ignore_eos", None),
+    ("ignore-eos-type", chat_body(ignore_eos="yes"), 400, "ignore_eos", None),
+    ("logit-bias-key", chat_body(logit_bias={"hello": 1}), 400, "logit_bias", None),
+    ("logit-bias-outside-vocabulary", chat_body(logit_bias={"99999999": 1}), 400, "logit_bias", None),
+    ("logit-bias-range", chat_body(logit_bias={"5": 101}), 400, "logit_bias", None),
+    ("logit-bias-value", chat_body(logit_bias={"5": "up"}), 400, "logit_bias", None),
+    ("logit-bias-array", chat_body(logit_bias=[5, 1]), 400, "logit_bias", None),
     ("min-tokens", chat_body(min_tokens=4), 400, "min_tokens", None),
     ("thinking-not-bool", chat_body(chat_template_kwargs={"enable_thinking": "no"}), 400,
      "chat_template_kwargs.enable_thinking", None),

@@ -1,5 +1,9 @@
 // attention.cpp: the Metal launcher of the gated full-attention mixer (metal/attention.metal, whose header gives the
-// math, the mapping and the split rule). attn_prep, then attn_main_hd<HD> (or attn_split_hd<HD> + attn_combine).
+// math, the mapping and the split rule). attn_prep, then attn_main_hd<HD> (or attn_split_hd<HD> + attn_combine); with
+// the switch attn_simdgroup and at least ATTN_SG_MIN_ROWS packed rows per kv head, attn_sg_hd<HD> (or
+// attn_sg_split_hd<HD>) in their place: the same splits, partials and combine, another row tile. With the switch
+// attn_decode_tile, a call of at most ATTN_DECODE_BM packed rows per kv head (decode) takes attn_main_hd<HD>_r8 (or
+// attn_split_hd<HD>_r8): the scalar kernel on a tile of 8 rows and 16 keys.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,8 +33,9 @@ void bind_pos(Encoder& enc, int index, const AttnArgs& a) {
 
 }  // namespace
 
-void attention(Encoder& enc, const AttnArgs& a, const uint16_t* qg, const uint16_t* k, const uint16_t* v,
-               const float* q_norm, const float* k_norm, uint16_t* k_cache, uint16_t* v_cache, uint16_t* out) {
+void attention(Encoder& enc, const Optimisations& opts, const AttnArgs& a, const uint16_t* qg, const uint16_t* k,
+               const uint16_t* v, const float* q_norm, const float* k_norm, uint16_t* k_cache, uint16_t* v_cache,
+               uint16_t* out) {
   check_attention(a);
   LILY_CHECK(int64_t(a.cache_cap) * a.NKV * a.HD <= INT32_MAX && int64_t(a.T) * a.NH * 2 * a.HD <= INT32_MAX,
              "attention: shape too large for 32-bit indices (T=", a.T, ", cache_cap=", a.cache_cap, ")");
@@ -60,7 +65,10 @@ void attention(Encoder& enc, const AttnArgs& a, const uint16_t* qg, const uint16
   enc.dispatch({uint32_t((items + ATTN_PREP_SG - 1) / ATTN_PREP_SG), 1, 1}, {32 * ATTN_PREP_SG, 1, 1});
 
   // 2. attention. Split sizes use host values only: with pos_dev they come from cache_cap, never the position.
-  const int BM = attn_bm(a.HD), BC = attn_bc(a.HD);
+  const bool sg = opts.on(Opt::attn_simdgroup) && int64_t(a.T) * G >= ATTN_SG_MIN_ROWS;
+  const bool dec = opts.on(Opt::attn_decode_tile) && int64_t(a.T) * G <= ATTN_DECODE_BM && a.HD >= 64;
+  const int BM = sg ? ATTN_SG_BM : attn_bm(a.HD, dec), BC = sg ? attn_sg_bc(a.HD) : attn_bc(a.HD, dec);
+  const unsigned threads = sg ? ATTN_SG_NT : ATTN_NT;
   const int row_tiles = int((int64_t(a.T) * G + BM - 1) / BM);
   const int64_t groups = int64_t(row_tiles) * a.NKV;
   const int64_t max_keys = a.pos_dev ? a.cache_cap : int64_t(a.pos0) + a.T;
@@ -77,9 +85,9 @@ void attention(Encoder& enc, const AttnArgs& a, const uint16_t* qg, const uint16
     ma.S = int(splits(block));
     ma.block = int(block);
   }
-  const std::string hd = std::to_string(a.HD);
+  const std::string hd = std::to_string(a.HD) + (dec ? "_r8" : "");
   if (ma.S == 1) {
-    enc.kernel(("attn_main_hd" + hd).c_str());
+    enc.kernel(((sg ? "attn_sg_hd" : "attn_main_hd") + hd).c_str());
     enc.set_args(ma);
     bind_pos(enc, 1, a);
     enc.set_buffer(2, q);
@@ -87,19 +95,19 @@ void attention(Encoder& enc, const AttnArgs& a, const uint16_t* qg, const uint16
     enc.set_buffer(4, v_cache);
     enc.set_buffer(5, qg);
     enc.set_buffer(6, out);
-    enc.dispatch({uint32_t(row_tiles), uint32_t(a.NKV), 1}, {ATTN_NT, 1, 1});
+    enc.dispatch({uint32_t(row_tiles), uint32_t(a.NKV), 1}, {threads, 1, 1});
     return;
   }
   float* part = static_cast<float*>(
       enc.scratch(kSlotAttnPartial, size_t(ma.S) * a.NKV * ma.Rpad * (a.HD + 2) * sizeof(float)));
-  enc.kernel(("attn_split_hd" + hd).c_str());
+  enc.kernel(((sg ? "attn_sg_split_hd" : "attn_split_hd") + hd).c_str());
   enc.set_args(ma);
   bind_pos(enc, 1, a);
   enc.set_buffer(2, q);
   enc.set_buffer(3, k_cache);
   enc.set_buffer(4, v_cache);
   enc.set_buffer(5, part);
-  enc.dispatch({uint32_t(row_tiles), uint32_t(a.NKV), uint32_t(ma.S)}, {ATTN_NT, 1, 1});
+  enc.dispatch({uint32_t(row_tiles), uint32_t(a.NKV), uint32_t(ma.S)}, {threads, 1, 1});
   enc.kernel("attn_combine");
   enc.set_args(ma);
   bind_pos(enc, 1, a);

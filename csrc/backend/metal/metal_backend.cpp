@@ -74,7 +74,8 @@ class MetalBackend final : public Backend {
   }
   void attention(const AttnArgs& a, const void* qg, const void* k, const void* v, const float* q_norm,
                  const float* k_norm, void* k_cache, void* v_cache, void* out) override {
-    metal::attention(enc(), a, ch(qg), ch(k), ch(v), q_norm, k_norm, h(k_cache), h(v_cache), h(out));
+    metal::attention(enc(), optimisations(), a, ch(qg), ch(k), ch(v), q_norm, k_norm, h(k_cache), h(v_cache),
+                     h(out));
   }
   void gdn_conv(const GdnArgs& a, const void* x, const float* w, void* conv_state, void* out) override {
     metal::gdn_conv(enc(), a, ch(x), w, h(conv_state), h(out));

@@ -30,8 +30,9 @@ void moe_gemm(Encoder& enc, const QMatrix& A, const QMatrix* B, const int32_t* o
               int max_rows, const uint16_t* x, uint16_t* y);
 
 // attention.cpp (metal/attention.metal); reads a.pos_dev when set
-void attention(Encoder& enc, const AttnArgs& a, const uint16_t* qg, const uint16_t* k, const uint16_t* v,
-               const float* q_norm, const float* k_norm, uint16_t* k_cache, uint16_t* v_cache, uint16_t* out);
+void attention(Encoder& enc, const Optimisations& opts, const AttnArgs& a, const uint16_t* qg, const uint16_t* k,
+               const uint16_t* v, const float* q_norm, const float* k_norm, uint16_t* k_cache, uint16_t* v_cache,
+               uint16_t* out);
 
 // gdn.cpp (metal/gdn.metal)
 void gdn_conv(Encoder& enc, const GdnArgs& a, const uint16_t* x, const float* w, uint16_t* conv_state, uint16_t* out);

@@ -11,7 +11,7 @@ import numpy as np
 
 from lily.model import Model
 from lily.parsers import MAX_JSON_DEPTH
-from lily.sampling import INT32_MAX, SamplingParams
+from lily.sampling import INT32_MAX, MAX_BIAS, MAX_BIAS_ENTRIES, SamplingParams
 
 NUMBER = (int, float)
 _KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
@@ -202,13 +202,12 @@ def parse_sampling(body: dict, model: Model, max_token_names: tuple[str, ...], t
         value = field(body, name, kinds)
         if value is not None and value != 1:
             raise RequestError(f"'{name}' must be 1: this server returns one choice per request", param=name)
-    if field(body, "logit_bias", (dict,)):
-        raise RequestError("'logit_bias' is not supported", param="logit_bias")
-    # vLLM's extensions that change what is generated: refused rather than ignored (a benchmark sending
-    # ignore_eos would otherwise measure shorter replies than it asked for)
-    if field(body, "ignore_eos", (bool,)):
-        raise RequestError("'ignore_eos' is not supported: a reply ends at the model's end-of-sequence token",
-                           param="ignore_eos")
+    bias = field(body, "logit_bias", (dict,))
+    if bias:
+        params["logit_bias"] = logit_bias(bias, model)
+    if field(body, "ignore_eos", (bool,)):  # vLLM's: the reply runs to max_tokens or a stop string (benchmarks)
+        params["ignore_eos"] = True
+    # vLLM's extension that changes what is generated: refused rather than ignored
     if field(body, "min_tokens", (int,)):
         raise RequestError("'min_tokens' is not supported", param="min_tokens")
     response_format = field(body, "response_format", (dict,))
@@ -222,6 +221,24 @@ def parse_sampling(body: dict, model: Model, max_token_names: tuple[str, ...], t
         name = re.search(r"SamplingParams\.(\w+)", str(e))
         raise RequestError(str(e).replace("SamplingParams.", ""), param=name.group(1) if name else None) from e
     return sampling
+
+
+def logit_bias(bias: dict, model: Model) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON object keys: decimal strings) to biases in [-100, 100]."""
+    if len(bias) > MAX_BIAS_ENTRIES:
+        raise RequestError(f"'logit_bias' has {len(bias)} entries; at most {MAX_BIAS_ENTRIES}", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10) or \
+                int(key) >= model.n_valid:
+            raise RequestError(f"'logit_bias' key {str(key)[:40]!r} is not a token id of this model (0 to "
+                               f"{model.n_valid - 1})", param="logit_bias")
+        number = isinstance(value, NUMBER) and not isinstance(value, bool)
+        if not (number and -MAX_BIAS <= value <= MAX_BIAS):
+            raise RequestError(f"'logit_bias[\"{key}\"]' must be a number in [-{MAX_BIAS}, {MAX_BIAS}], got "
+                               f"{value if number else json_type(value)}", param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:
