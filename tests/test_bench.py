@@ -50,15 +50,26 @@ def test_bench_reports_medians_of_repeats(tmp_path, capsys):
 
 
 def test_ablate_writes_one_row_per_switch(tmp_path, capsys):
+    """A row per switch; the sweep runs again only for the switches that act on the backend (none acts on the CPU
+    reference: each would repeat the all-on sweep)."""
     out = tmp_path / "ablation.json"
     assert main(["bench", "--model", "tiny", "--ablate", "--lengths", "24", "--decode-tokens", "6",
                  "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     names = [n for n, _, _ in lily.optimisations()]
-    assert list(result["runs"]) == ["all on", *names]
+    assert result["backend"] == "cpu" and list(result["runs"]) == ["all on"]
+    assert list(result["switches"]) == names and not any(s["acts_here"] for s in result["switches"].values())
     table = capsys.readouterr().out
     for n in names:
-        assert f"| `{n}` |" in table
+        assert f"| `{n}` |" in table and "does not act on cpu, not run" in table
+    assert table.count("— (not on this backend)") == 2 * len(names)
+
+
+def test_a_switch_acts_on_the_backends_its_entry_names():
+    assert bench.acts_on("cuda,metal", "metal") and bench.acts_on("cuda", "cuda") and not bench.acts_on("cuda", "cpu")
+    assert not bench.acts_on("metal", "cuda") and not bench.acts_on("cuda,metal", "cudam")
+    backends = {n: b for n, b, _ in lily.optimisations()}
+    assert backends["attn_simdgroup"] == "metal" and backends["pdl"] == "cuda"
 
 
 def test_bench_serve_sets_the_server_against_the_library(capsys, monkeypatch):

@@ -142,6 +142,22 @@ def test_ignore_eos_runs_on_to_max_tokens(endless_model, new_tiny_model, rng):
     assert session.conversation is not None  # no end-of-sequence token was passed: the reply can be continued
 
 
+def test_min_tokens_keeps_end_of_sequence_back(endless_model, new_tiny_model, rng):
+    """vLLM's min_tokens: no end-of-sequence token among the first min_tokens; the greedy run takes the next best
+    token where it would have ended, and may end at an EOS after them."""
+    prompt = _prompt(rng, endless_model)
+    free = [r.token for r in _run(endless_model, prompt, temperature=0.0, max_tokens=12, top_logprobs=2)]
+    k = next((i for i in range(1, 6) if free[i] not in free[:i]), 1)
+    model = new_tiny_model()
+    model.eos_token_ids = [free[k]]
+    held = _run(model, prompt, temperature=0.0, max_tokens=12, min_tokens=k + 3)
+    tokens = [r.token for r in held]
+    assert tokens[:k] == free[:k] and tokens[k] != free[k]
+    assert free[k] not in tokens[:k + 3] and len(tokens) >= k + 3
+    assert held[-1].finish_reason == ("stop" if tokens[-1] == free[k] else "length")
+    assert _run(model, prompt, temperature=0.0, max_tokens=12, min_tokens=k)[-1].token == free[k]  # the EOS is free
+
+
 def test_logit_bias_moves_the_choice(endless_model, rng):
     """OpenAI's logit_bias, added to the logits before anything else: -100 bans the greedy token, +100 makes a token
     the greedy choice at every step; the reported logprobs stay those of the raw logits."""

@@ -61,7 +61,7 @@ BAD_PARAMS = [("temperature", -0.1), ("temperature", math.nan), ("top_k", -1), (
 @pytest.mark.parametrize("field,value", BAD_PARAMS + [
     ("max_tokens", 0), ("stop", "\n"), ("stop", [""]), ("seed", -1), ("logit_bias", [1, 2]), ("logit_bias", {-1: 1.0}),
     ("logit_bias", {3: 100.5}), ("logit_bias", {3: math.nan}), ("logit_bias", {"3": 1.0}), ("logit_bias", {True: 1.0}),
-    ("logit_bias", {i: 1.0 for i in range(1025)}), ("ignore_eos", 1)])
+    ("logit_bias", {i: 1.0 for i in range(1025)}), ("ignore_eos", 1), ("min_tokens", -1)])
 def test_python_params_rejected(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
@@ -299,6 +299,21 @@ def test_logit_bias_matches_reference(kw):
         if int(ids[2]) in bias:
             assert ref[int(ids[2])] > 0.999
         assert ref[int(ids[0])] < 1e-30 and ref[int(ids[1])] < 1e-30
+
+
+@needs_core
+def test_banned_ids_are_never_drawn():
+    """Sampler.ban (min_tokens): the banned ids leave the distribution, greedy and sampled, until the next ban()."""
+    logits = random_logits(np.random.default_rng(5), V)
+    top = [int(i) for i in np.argsort(-logits[:N_VALID])[:3]]
+    for kw in (dict(temperature=0.0), dict(top_k=5, seed=3)):
+        s = core_sampler(**kw)
+        s.ban(top)
+        assert np.all(s.probs(logits)[top] == 0) and s.sample(logits).token not in top
+        s.ban([])
+        assert s.probs(logits)[top[0]] > 0
+    with pytest.raises(ValueError, match="ban: token id 990"):
+        core_sampler().ban([N_VALID])
 
 
 @needs_core

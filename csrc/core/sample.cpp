@@ -3,6 +3,7 @@
 //
 // Math     x = logits[0, n_valid)                                         (padding rows never kept)
 //          bias        x_i ← x_i + b_i                                        for the ids of LogitBias
+//          ban         x_i ← −∞ for the ids of the last ban() (min_tokens: no end-of-sequence yet), after the rest
 //          penalties   x_i ← x_i>0 ? x_i/r : x_i·r           for i in prompt ∪ generated  (repetition, HF/vLLM)
 //                      x_i ← x_i − f·count_i − s·[count_i>0]  for i in generated          (frequency, presence)
 //          temperature x ← x / T;  T = 0: token = argmax x (lowest id on ties), no draw
@@ -19,7 +20,7 @@
 // Checks   params and the logit bias (distinct ids in [0, n_valid), finite values) validated in the constructor;
 //          logits without NaN/+inf and not all −inf; ids in [0, n_valid)
 // Ref      src/lily/sampling.py reference_probs / reference_sample · Test tests/test_sampling.py
-// History  v1 threshold selection + counter-based draw · v2 (current) OpenAI's logit bias, host only
+// History  v1 threshold selection + counter-based draw · v2 (current) logit bias and ban (min_tokens), host only
 #include "core/sample.h"
 
 #include <algorithm>
@@ -98,6 +99,11 @@ void Sampler::accept(int token) {
   ++step_;
 }
 
+void Sampler::ban(const std::vector<int>& ids) {
+  for (int id : ids) check_id("ban", id, n_valid_);
+  banned_ = ids;
+}
+
 void Sampler::process(const float* logits) {
   for (int i = 0; i < n_valid_; ++i) {
     float v = logits[i];
@@ -113,6 +119,7 @@ void Sampler::process(const float* logits) {
     for (int i : gen_ids_) x_[i] -= f * static_cast<float>(count_[i]) + s;
   if (p_.temperature > 0)
     for (float& v : x_) v /= p_.temperature;
+  for (int i : banned_) x_[i] = -std::numeric_limits<float>::infinity();
 }
 
 // A plain max loop vectorises; std::max_element's index chain runs ~5x slower.

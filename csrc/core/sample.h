@@ -63,6 +63,7 @@ class Sampler {
   Sampler(const SamplingParams& p, int vocab_size, int n_valid, const LogitBias& bias = {});
   void add_prompt(const int32_t* ids, int n);   // counts for repetition penalty only
   void accept(int token);                        // a generated token: counts for all penalties; advances step
+  void ban(const std::vector<int>& ids);         // these ids cannot be drawn until the next ban() (ids in range)
   SampleResult sample(const float* logits);      // logits [vocab_size], not modified; does not call accept
   void probs(const float* logits, float* out);   // out [vocab_size]: the distribution sample() draws from
 
@@ -79,6 +80,7 @@ class Sampler {
 
   SamplingParams p_;
   LogitBias bias_;
+  std::vector<int> banned_;
   int vocab_size_, n_valid_;
   uint64_t step_ = 0;
   int n_cand_ = 0;

@@ -8,7 +8,7 @@
 namespace lily {
 
 Generator::Generator(Session& session, const SamplingParams& params, std::vector<int> eos_ids, int max_tokens,
-                     int n_valid, const LogitBias& bias)
+                     int n_valid, const LogitBias& bias, int min_tokens)
     : s_(session),
       be_(session.backend()),
       params_(params),
@@ -16,11 +16,15 @@ Generator::Generator(Session& session, const SamplingParams& params, std::vector
       sampler_(params, session.vocab_size(), n_valid, bias),
       eos_(std::move(eos_ids)),
       max_tokens_(max_tokens),
+      min_tokens_(eos_.empty() ? 0 : min_tokens),
       logits_(session.vocab_size()) {
   LILY_CHECK(max_tokens >= 0, "max_tokens must be ≥ 0, got ", max_tokens);
+  LILY_CHECK(min_tokens >= 0, "min_tokens must be ≥ 0, got ", min_tokens);
   Session::Hold hold(s_);
   epoch_ = s_.epoch();
-  device_ = bias.ids.empty() && be_.can_sample(params, n_valid);
+  for (int id : eos_)
+    if (id >= 0 && id < n_valid) eos_ban_.push_back(id);  // an id past the vocabulary is never drawn anyway
+  device_ = bias.ids.empty() && min_tokens_ == 0 && be_.can_sample(params, n_valid);
   if (!device_) return;
   static std::atomic<uint64_t> serials{1};
   serial_ = serials++;
@@ -120,6 +124,7 @@ GenStep Generator::next_host() {
     }
     s_.prefill(&pending_, 1, logits_.data());
   }
+  if (min_tokens_ > 0) sampler_.ban(generated_ < min_tokens_ ? eos_ban_ : std::vector<int>());
   SampleResult r = sampler_.sample(logits_.data());
   sampler_.accept(r.token);
   out.token = pending_ = r.token;

@@ -28,10 +28,10 @@ struct GenStep {
 // its next call throws SessionConflict instead of continuing from a state that is no longer its own.
 class Generator {
  public:
-  // n_valid: ids ≥ n_valid are vocabulary padding (never sampled). A logit bias keeps the loop on the host (the
-  // device samplers take none).
+  // n_valid: ids ≥ n_valid are vocabulary padding (never sampled). The first min_tokens tokens are never
+  // end-of-sequence ids. A logit bias or a min_tokens keeps the loop on the host (the device samplers take neither).
   Generator(Session& session, const SamplingParams& params, std::vector<int> eos_ids, int max_tokens, int n_valid,
-            const LogitBias& bias = {});
+            const LogitBias& bias = {}, int min_tokens = 0);
   ~Generator();
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;
@@ -63,6 +63,8 @@ class Generator {
   Sampler sampler_;
   std::vector<int> eos_;
   int max_tokens_;
+  int min_tokens_;
+  std::vector<int> eos_ban_;  // the end-of-sequence ids banned while fewer than min_tokens are out
   int generated_ = 0;
   std::vector<int> tokens_;
   int pending_ = -1;

@@ -384,14 +384,15 @@ void init_model(nb::module_& m) {
       .def(
           "__init__",
           [](Generator* g, Session& session, const SamplingParams& params, std::vector<int> eos_ids, int max_tokens,
-             int n_valid, std::vector<int32_t> bias_ids, std::vector<float> bias_values) {
+             int n_valid, std::vector<int32_t> bias_ids, std::vector<float> bias_values, int min_tokens) {
             new (g) Generator(session, params, std::move(eos_ids), max_tokens, n_valid,
-                              LogitBias{std::move(bias_ids), std::move(bias_values)});
+                              LogitBias{std::move(bias_ids), std::move(bias_values)}, min_tokens);
           },
           "session"_a, "params"_a, "eos_ids"_a, "max_tokens"_a, "n_valid"_a, nb::kw_only(),
-          "bias_ids"_a = std::vector<int32_t>(), "bias_values"_a = std::vector<float>(), nb::keep_alive<1, 2>(),
-          "bias_values[k] is added to the logit of bias_ids[k] before the penalties (the loop then samples on the "
-          "host).")
+          "bias_ids"_a = std::vector<int32_t>(), "bias_values"_a = std::vector<float>(), "min_tokens"_a = 0,
+          nb::keep_alive<1, 2>(),
+          "bias_values[k] is added to the logit of bias_ids[k] before the penalties; no eos id is drawn before "
+          "min_tokens tokens are out. Either keeps the loop on the host.")
       .def("prefill",
            [](Generator& g, const Tokens& tokens, const Progress& progress) {
              const int n = token_count(tokens);

@@ -72,6 +72,7 @@ void init_sampling(nb::module_& m) {
           [](Sampler& s, const std::vector<int32_t>& ids) { s.add_prompt(ids.data(), static_cast<int>(ids.size())); },
           "ids"_a, "Count prompt ids for the repetition penalty.")
       .def("accept", &Sampler::accept, "token"_a, "Record a generated token (all penalties) and advance step.")
+      .def("ban", &Sampler::ban, "ids"_a, "These ids cannot be drawn until the next ban() (min_tokens: the EOS ids).")
       .def(
           "sample", [](Sampler& s, const Logits& logits) { return s.sample(checked(s, logits, "sample")); },
           "logits"_a, "Draw a token from float32 logits [vocab_size]; does not call accept().")

@@ -6,7 +6,7 @@ length over the wall-clock time to the first token, decode speed the steady rate
 median of --repeats generations (default 3) up to 32K tokens. The result
 is JSON (what was measured, on what, with which defaults) and, where matplotlib is installed, a PNG with the roofline
 of the device drawn in when it is known. `--ablate` repeats a few lengths with each optimisation turned off alone
-(lily.optimisations()).
+(lily.optimisations(): those that act on the backend in use).
 """
 from __future__ import annotations
 
@@ -209,22 +209,33 @@ def run(name: str, backend: str, lengths: list[int], decode_tokens: int, budget_
     return result
 
 
+def acts_on(backends: str, backend: str) -> bool:
+    """Whether a switch whose table entry lists `backends` ("cuda", "cuda,metal", ...) changes anything on `backend`."""
+    return backend in backends.split(",")
+
+
 def ablate(name: str, backend: str, lengths: list[int], decode_tokens: int, out: Path, log=print,
            repeats: int = 3) -> dict:
-    """The default path with everything on, then with each optimisation off alone."""
+    """The default path with everything on, then with each optimisation off alone: each switch that acts on the
+    backend the model runs on (one that does not would repeat the all-on sweep, minutes a length on the full model)."""
     from lily.tiny import build_random
 
     ckpt = build_random(FULL_TEXT_CONFIG, seed=0) if name == "random" else None
-    runs, meta = {}, None
-    for off in [None] + [n for n, _, _ in lily.optimisations()]:
+    runs, meta, ran = {}, None, None
+    for off, backends in [(None, "")] + [(n, b) for n, b, _ in lily.optimisations()]:
+        if off is not None and not acts_on(backends, ran):
+            log(f"-- {off}: does not act on {ran}, not run")
+            continue
         disable = [off] if off else None
         model = lily.Model(ckpt, backend, disable) if ckpt is not None else lily.load(name, backend, disable=disable)
         model.eos_token_ids = []
         meta = meta or {**describe(model, name), "disabled": "one switch at a time"}
+        ran = model.backend
         log(f"-- {'all on' if off is None else off + ' off'}")
         runs[off or "all on"] = sweep(model, lengths, decode_tokens, float("inf"), log=log, repeats=repeats)
         del model
-    result = {**meta, "switches": {n: {"backends": b, "what": w} for n, b, w in lily.optimisations()}, "runs": runs}
+    switches = {n: {"backends": b, "what": w, "acts_here": acts_on(b, ran)} for n, b, w in lily.optimisations()}
+    result = {**meta, "switches": switches, "runs": runs}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
     log(ablation_table(result))
@@ -240,7 +251,11 @@ def ablation_table(result: dict) -> str:
         f"prefill {L // 1024}K off → on (gain)" for L in lengths) + " |"
     lines = [head, "|" + "---|" * (2 + 2 * len(lengths))]
     for name, info in result["switches"].items():
-        runs = {r["length"]: r for r in result["runs"].get(name, [])}
+        if name not in result["runs"]:
+            cells = ["— (not on this backend)"] * (2 * len(lengths))
+            lines.append(f"| `{name}` | {info['what']} | " + " | ".join(cells) + " |")
+            continue
+        runs = {r["length"]: r for r in result["runs"][name]}
         cells = []
         for key in ("decode_tok_s", "prefill_tok_s"):
             for L in lengths:

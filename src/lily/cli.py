@@ -429,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--greedy", action="store_true", help="also time greedy decoding at each length")
     b.add_argument("--repeats", type=int, default=3, help="generations per length up to 32K, medians reported "
                    "(default 3; longer prompts run once)")
-    b.add_argument("--ablate", action="store_true", help="repeat 4K/32K/128K with each optimisation off alone")
+    b.add_argument("--ablate", action="store_true",
+                   help="repeat 4K/32K/128K with each optimisation that acts on the backend off alone")
     b.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
     b.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)

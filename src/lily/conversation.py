@@ -32,14 +32,14 @@ _THOUGHT = "\u2063lily-thought\u2063"  # a stand-in reply's reasoning (keeps_thi
 
 
 def reply_end(last: int | None, eos_ids, turn_end_id: int | None, by_stop_string: bool,
-              ran_past_eos: bool = False) -> bool | None:
+              eos_ignored_in=()) -> bool | None:
     """How a reply ended, for continuing its conversation from the state after it: True when it closed its turn itself
     (its last token is the turn's end, <|im_end|>), False when it was cut off (max_tokens, an interrupt: the
     continuation closes the turn), None when the state cannot continue it as the chat template renders the
     conversation: a stop string ended it (the state holds the stop text, which the caller never got), another
     end-of-sequence token did (the template closes every turn with <|im_end|>), or the reply ran on past one
-    (ignore_eos: the state holds what followed the turn's end)."""
-    if by_stop_string or ran_past_eos:
+    (`eos_ignored_in`: the reply's tokens under ignore_eos; the state holds what followed the turn's end)."""
+    if by_stop_string or any(t in eos_ids for t in eos_ignored_in):
         return None
     if last is not None and last in eos_ids:
         return True if last == turn_end_id else None

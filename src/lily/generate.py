@@ -72,9 +72,9 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
     """Generates from `prompt` (text, token ids, or chat messages), yielding a response per token.
 
     Sampling keywords (temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
-    frequency_penalty, seed, max_tokens, stop, top_logprobs, logit_bias, ignore_eos: lily.SamplingParams) default to
-    the model's generation_config.json; max_tokens to its max_new_tokens, else 256. A logit_bias keeps the token
-    selection on the host.
+    frequency_penalty, seed, max_tokens, stop, top_logprobs, logit_bias, ignore_eos, min_tokens: lily.SamplingParams)
+    default to the model's generation_config.json; max_tokens to its max_new_tokens, else 256. A logit_bias or a
+    min_tokens keeps the token selection on the host.
     With a `session`, a prompt extending what the session already holds prefills only its new tokens.
 
     progress(done, total), if given, reports the prefill of the prompt's new tokens: (0, total) at its start,
@@ -115,7 +115,7 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         bias_ids, bias_values = params.bias_arrays()
         eos = [] if params.ignore_eos else model.eos_token_ids
         gen = _core.Generator(session.core, params.to_core(), eos, params.max_tokens, model.n_valid,
-                              bias_ids=bias_ids, bias_values=bias_values)
+                              bias_ids=bias_ids, bias_values=bias_values, min_tokens=params.min_tokens)
         t0 = time.perf_counter()
         session.conversation = None
         if progress is not None:
@@ -161,7 +161,7 @@ def stream_generate(model: Model, prompt, *, session: Session | None = None, sam
         """Records the conversation the state now holds, the reply so far last, for the next turn (none where the
         reply's end leaves the state another conversation than its text: conversation.reply_end)."""
         end = reply_end(returned[-1] if returned else None, model.eos_token_ids, turn_end_id(model.tokenizer),
-                        by_stop_string, params.ignore_eos and any(t in model.eos_token_ids for t in returned))
+                        by_stop_string, returned if params.ignore_eos else ())
         if messages is None or end is None:
             return
         held = session.tokens

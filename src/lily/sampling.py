@@ -46,6 +46,7 @@ class SamplingParams:
     logprobs: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit first (OpenAI)
     ignore_eos: bool = False         # True => end-of-sequence tokens do not end the reply (vLLM's, for benchmarks)
+    min_tokens: int = 0              # no end-of-sequence token among the first min_tokens (vLLM's; not stop strings)
 
     def __post_init__(self):
         for name, kinds, ok, requirement in _RULES:
@@ -139,6 +140,7 @@ _RULES = [
         for i, b in v.items()),
      f"a dict of at most {MAX_BIAS_ENTRIES} token ids (integers >= 0) to biases in [-{MAX_BIAS}, {MAX_BIAS}]"),
     ("ignore_eos", (bool,), lambda v: True, "a boolean"),
+    ("min_tokens", _INT, _in(0, INT32_MAX), f"in [0, {INT32_MAX}]"),
 ]
 
 

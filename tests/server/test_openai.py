@@ -149,11 +149,12 @@ def test_request_settings_reach_the_sampler_and_the_template(client, script, tin
                                 {"role": "developer", "content": "Dev rule."}],
         temperature=0.3, top_p=0.7, presence_penalty=0.5, frequency_penalty=0.25, seed=11, stop=["END", "STOP"],
         max_completion_tokens=9, logprobs=True, top_logprobs=4, logit_bias={"5": -100, "17": 2.5},
-        extra_body={"top_k": 7, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True})
+        extra_body={"top_k": 7, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 3})
     p = script.sampling[-1]
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
-            p.repetition_penalty, p.seed, p.stop, p.max_tokens, p.top_logprobs, p.logit_bias, p.ignore_eos) == \
-        (0.3, 0.7, 7, 0.05, 0.5, 0.25, 1.1, 11, ["END", "STOP"], 9, 4, {5: -100.0, 17: 2.5}, True)
+            p.repetition_penalty, p.seed, p.stop, p.max_tokens, p.top_logprobs, p.logit_bias, p.ignore_eos,
+            p.min_tokens) == \
+        (0.3, 0.7, 7, 0.05, 0.5, 0.25, 1.1, 11, ["END", "STOP"], 9, 4, {5: -100.0, 17: 2.5}, True, 3)
     # System messages anywhere are merged into one at the start.
     assert script.prompts[-1].startswith("<|im_start|>system\nLate rule.\n\nDev rule.<|im_end|>\n<|im_start|>user\nhi")
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
@@ -202,7 +203,7 @@ BAD_REQUESTS = [
     ("logit-bias-range", chat_body(logit_bias={"5": 101}), 400, "logit_bias", None),
     ("logit-bias-value", chat_body(logit_bias={"5": "up"}), 400, "logit_bias", None),
     ("logit-bias-array", chat_body(logit_bias=[5, 1]), 400, "logit_bias", None),
-    ("min-tokens", chat_body(min_tokens=4), 400, "min_tokens", None),
+    ("min-tokens-negative", chat_body(min_tokens=-1), 400, "min_tokens", None),
     ("thinking-not-bool", chat_body(chat_template_kwargs={"enable_thinking": "no"}), 400,
      "chat_template_kwargs.enable_thinking", None),
     ("unknown-model", chat_body(model="gpt-4o"), 404, "model", "model_not_found"),

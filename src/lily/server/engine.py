@@ -253,7 +253,7 @@ class Engine:
         held, eos = self.session.tokens, self.model.eos_token_ids
         end = reply_end(generated[-1] if generated else None, eos, self._turn_end[0],
                         last.finish_reason == "stop" and not (generated and generated[-1] in eos),
-                        params.ignore_eos and any(t in eos for t in generated))
+                        generated if params.ignore_eos else ())
         if end is not None and held[:n] == prompt.ids and held[n:] == generated[:len(held) - n] and \
                 len(held) >= n + len(generated) - 1:
             job.held = Held(np.asarray(held, dtype=np.int32), generated[-1] if len(held) < n + len(generated) else None,

@@ -205,11 +205,12 @@ def parse_sampling(body: dict, model: Model, max_token_names: tuple[str, ...], t
     bias = field(body, "logit_bias", (dict,))
     if bias:
         params["logit_bias"] = logit_bias(bias, model)
-    if field(body, "ignore_eos", (bool,)):  # vLLM's: the reply runs to max_tokens or a stop string (benchmarks)
+    # vLLM's, which benchmarks send for replies of a fixed length
+    if field(body, "ignore_eos", (bool,)):  # the reply runs to max_tokens or a stop string
         params["ignore_eos"] = True
-    # vLLM's extension that changes what is generated: refused rather than ignored
-    if field(body, "min_tokens", (int,)):
-        raise RequestError("'min_tokens' is not supported", param="min_tokens")
+    min_tokens = field(body, "min_tokens", (int,))
+    if min_tokens is not None:  # no end-of-sequence token among the first min_tokens
+        params["min_tokens"] = min_tokens
     response_format = field(body, "response_format", (dict,))
     if response_format is not None and response_format.get("type", "text") != "text":
         raise RequestError(f"response_format {response_format.get('type')!r} is not supported (only 'text': "
