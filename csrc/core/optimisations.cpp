@@ -71,10 +71,6 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::moe_dp4a, "moe_dp4a", "cuda",
        "decode MoE: the gate+up kernel's dot products on dp4a the same way, each block staging m once in shared "
        "memory in 16-bit fixed point, instead of every lane holding its chunks of m as fp32 in registers"},
-      {Opt::attn_prep_fused, "attn_prep_fused", "cuda",
-       "decode attention: the token's q/k norms, RoPE and cache append done by the attention kernel itself (each "
-       "block normalising its kv head's query rows; the block whose keys hold the token's own writing it into the "
-       "caches and its tile), instead of a prep kernel before it"},
       {Opt::attn_simdgroup, "attn_simdgroup", "metal",
        "prefill attention with its two products (Q·Kᵀ, P·V) on simdgroup matrices, the keys and values staged as fp32 "
        "tiles, instead of scalar fp32 dot products over the same tiles"},

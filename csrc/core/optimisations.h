@@ -69,9 +69,6 @@ enum class Opt : int {
                      //   GPUs have no integer dot-product instruction (benchmarks/NOTES.md, Metal)
   moe_dp4a,          // CUDA: the decode MoE's gate+up dot products the same way, each block staging m once in shared
                      //   memory as x16, instead of every lane holding its chunks of m as fp32. Not on Metal (as above)
-  attn_prep_fused,   // CUDA: a decode token's q/k norms, RoPE and K/V cache append done by its attention kernel (each
-                     //   block its kv head's query rows, the block holding the token's own key that row), instead of a
-                     //   prep kernel before it handing q on through scratch
   attn_simdgroup,    // Metal: prefill attention (from ATTN_SG_MIN_ROWS packed rows per kv head) with Q·Kᵀ and P·V
                      //   on simdgroup matrices (metal/attention.metal attn_sg) instead of scalar fp32 tiles. CUDA's
                      //   prefill attention is on tensor cores already (attention.cu attn_mma_kernel, attn_wgmma)

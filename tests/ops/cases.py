@@ -358,9 +358,6 @@ CASES = [
     Case("attention", dict(T=1, pos0=300, NH=8, NKV=2, HD=64), tags=("edge",)),
     Case("attention", dict(T=2, pos0=900, NH=4, NKV=1, HD=64), tags=("edge",)),
     Case("attention", dict(T=1, pos0=50, NH=4, NKV=1, HD=128), tags=("edge",)),
-    # CUDA's fused decode prep (attn_prep_fused): the token's own key in its split's third tile, the first one copied
-    # inside the main loop rather than before it (66 splits of 320 keys; position 20,000 is key 160 of split 62)
-    Case("attention", dict(T=1, pos0=20000, NH=4, NKV=2, HD=64), tags=("edge",)),
     # a replayed decode step: the kernels must take the position from the device, not the (stale) host value
     Case("attention", dict(T=1, pos0=700, NH=16, NKV=2, HD=256, device_pos=True), tags=("model",)),
     Case("attention", dict(T=1, pos0=40, NH=4, NKV=1, HD=32, device_pos=True), tags=("edge",)),

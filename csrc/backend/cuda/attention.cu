@@ -87,16 +87,6 @@ struct RopeFreq {
   float inv_freq[kMaxHD / 2];
 };
 
-// The inputs of the prep a decode token's attention kernel does itself (switch attn_prep_fused).
-struct PrepIn {
-  const bf16* k;  // the token's k and v rows [NKV, HD]
-  const bf16* v;
-  const float* q_norm;
-  const float* k_norm;
-  bf16* k_cache;  // the caches its own key and value are written into
-  bf16* v_cache;
-};
-
 __device__ __forceinline__ int cur_pos0(const KArgs& a) { return a.pos_dev ? *a.pos_dev : a.pos0; }
 
 // Keys per split: every block and attn_combine derive it the same way from the device position.
@@ -130,13 +120,43 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const bf16* p) {
 }
 
 // ---- prep: norm + RoPE + cache append ---------------------------------------------------------------------
-// One warp: a head's row src (HD values) RMS-normalised with the weights wv (lane's dims lane + 32u), its first R dims
-// rotated by RoPE at position pos through x (the warp's HD floats of shared memory); store(i, y) for each dim i.
-template <typename Store>
-__device__ __forceinline__ void norm_rope(const KArgs& a, const RopeFreq& rf, const bf16* src, const float* wv,
-                                          int pos, float* x, Store&& store) {
+// Warp w of the grid handles item j = w mod (NH+NKV) of token t = w / (NH+NKV): j < NH is q head j, else kv
+// head j−NH (k normalised and rotated into the K cache, v copied into the V cache).
+__global__ void __launch_bounds__(32 * kPrepWarps) attn_prep_kernel(const KArgs a, const __grid_constant__ RopeFreq rf,
+                                                                  const bf16* __restrict__ qg,
+                                                                  const bf16* __restrict__ k,
+                                                                  const bf16* __restrict__ v,
+                                                                  const float* __restrict__ q_norm,
+                                                                  const float* __restrict__ k_norm,
+                                                                  bf16* __restrict__ k_cache,
+                                                                  bf16* __restrict__ v_cache, bf16* __restrict__ q) {
+  pdl_trigger();
   constexpr int VPL = kMaxHD / 32;  // values per lane at most; unrolled so that all loads are in flight at once
-  const int lane = threadIdx.x & 31, HD = a.HD;
+  __shared__ float buf[kPrepWarps][kMaxHD];
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+  const int item = blockIdx.x * kPrepWarps + wib, per_t = a.NH + a.NKV;
+  if (item >= a.T * per_t) return;  // whole warp; only __syncwarp below
+  const int t = item / per_t, j = item % per_t, HD = a.HD;
+  float wv[VPL];  // the norm's weights before the PDL wait
+#pragma unroll
+  for (int u = 0; u < VPL; ++u) wv[u] = lane + 32 * u < HD ? (j < a.NH ? q_norm : k_norm)[lane + 32 * u] : 0.0f;
+  pdl_wait();
+  const int pos = cur_pos0(a) + t;
+  const bf16* src;
+  bf16* dst;
+  if (j < a.NH) {
+    src = qg + (size_t(t) * a.NH + j) * 2 * HD;
+    dst = q + (size_t(t) * a.NH + j) * HD;
+  } else {
+    if (pos >= a.cache_cap) return;  // host checks pos0 + T ≤ cap; a stale device position never writes past it
+    const int h = j - a.NH;
+    const size_t in = (size_t(t) * a.NKV + h) * HD, row = (size_t(pos) * a.NKV + h) * HD;
+    src = k + in;
+    dst = k_cache + row;
+#pragma unroll
+    for (int u = 0; u < VPL; ++u)
+      if (lane + 32 * u < HD) v_cache[row + lane + 32 * u] = v[in + lane + 32 * u];
+  }
   float xv[VPL], ss = 0.0f;
 #pragma unroll
   for (int u = 0; u < VPL; ++u) {
@@ -146,6 +166,7 @@ __device__ __forceinline__ void norm_rope(const KArgs& a, const RopeFreq& rf, co
   }
   ss = warp_sum(ss);
   const float r = 1.0f / sqrtf(ss / float(HD) + a.eps);  // RMSNorm
+  float* x = buf[wib];
 #pragma unroll
   for (int u = 0; u < VPL; ++u)
     if (lane + 32 * u < HD) x[lane + 32 * u] = xv[u] * r * wv[u];
@@ -167,54 +188,8 @@ __device__ __forceinline__ void norm_rope(const KArgs& a, const RopeFreq& rf, co
       const float x0 = x[ii], x1 = x[ii + half];
       y = i < half ? x0 * cs - x1 * sn : x1 * cs + x0 * sn;
     }
-    store(i, y);
+    dst[i] = __float2bfloat16_rn(y);
   }
-  __syncwarp();  // x is the warp's next row's
-}
-
-// The norm's weights of one lane (dims lane + 32u < HD), read before the PDL wait.
-__device__ __forceinline__ void norm_weights(int HD, const float* __restrict__ w, float (&wv)[kMaxHD / 32]) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int u = 0; u < kMaxHD / 32; ++u) wv[u] = lane + 32 * u < HD ? w[lane + 32 * u] : 0.0f;
-}
-
-// Warp w of the grid handles item j = w mod (NH+NKV) of token t = w / (NH+NKV): j < NH is q head j, else kv
-// head j−NH (k normalised and rotated into the K cache, v copied into the V cache).
-__global__ void __launch_bounds__(32 * kPrepWarps) attn_prep_kernel(const KArgs a, const __grid_constant__ RopeFreq rf,
-                                                                  const bf16* __restrict__ qg,
-                                                                  const bf16* __restrict__ k,
-                                                                  const bf16* __restrict__ v,
-                                                                  const float* __restrict__ q_norm,
-                                                                  const float* __restrict__ k_norm,
-                                                                  bf16* __restrict__ k_cache,
-                                                                  bf16* __restrict__ v_cache, bf16* __restrict__ q) {
-  pdl_trigger();
-  __shared__ float buf[kPrepWarps][kMaxHD];
-  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
-  const int item = blockIdx.x * kPrepWarps + wib, per_t = a.NH + a.NKV;
-  if (item >= a.T * per_t) return;  // whole warp; only __syncwarp below
-  const int t = item / per_t, j = item % per_t, HD = a.HD;
-  float wv[kMaxHD / 32];  // the norm's weights before the PDL wait
-  norm_weights(HD, j < a.NH ? q_norm : k_norm, wv);
-  pdl_wait();
-  const int pos = cur_pos0(a) + t;
-  const bf16* src;
-  bf16* dst;
-  if (j < a.NH) {
-    src = qg + (size_t(t) * a.NH + j) * 2 * HD;
-    dst = q + (size_t(t) * a.NH + j) * HD;
-  } else {
-    if (pos >= a.cache_cap) return;  // host checks pos0 + T ≤ cap; a stale device position never writes past it
-    const int h = j - a.NH;
-    const size_t in = (size_t(t) * a.NKV + h) * HD, row = (size_t(pos) * a.NKV + h) * HD;
-    src = k + in;
-    dst = k_cache + row;
-#pragma unroll
-    for (int u = 0; u < kMaxHD / 32; ++u)
-      if (lane + 32 * u < HD) v_cache[row + lane + 32 * u] = v[in + lane + 32 * u];
-  }
-  norm_rope(a, rf, src, wv, pos, buf[wib], [&](int i, float y) { dst[i] = __float2bfloat16_rn(y); });
 }
 
 // The online softmax of one key tile for a thread's rows g and g + 8, s[4j + e] (j < NJ) being row g + 8·(e/2) and key
@@ -397,26 +372,16 @@ __device__ __forceinline__ size_t q_at(const KArgs& a, int kvh, int r, int c) {
 }
 
 // grid (row tiles, NKV, S); block RW·KW warps; NSTAGE K/V tiles in flight. See the header for the mapping.
-// PREP (decode, T = 1, switch attn_prep_fused): the block normalises and rotates its kv head's G query rows itself
-// (from qg, not from prep's q), and the block whose keys hold the token's own writes its key and value into the
-// caches and into its copy of the tile they fall in (the tile's copy read the rows before).
-template <int HD, int RW, int KW, int NSTAGE, bool PREP>
+template <int HD, int RW, int KW, int NSTAGE>
 __global__ void __launch_bounds__(32 * RW * KW, 1)
     attn_mma_kernel(const KArgs a, const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                     const bf16* __restrict__ v_cache, const bf16* __restrict__ qg, bf16* __restrict__ out,
-                    float* __restrict__ po, float* __restrict__ pml, const __grid_constant__ RopeFreq rf,
-                    const PrepIn pi) {
+                    float* __restrict__ po, float* __restrict__ pml) {
   pdl_trigger();
+  pdl_wait();
   constexpr int BM = 16 * RW, NK = kBC / KW, LD = HD + 8, NT = 32 * RW * KW, CH = HD / 8;
   static_assert(NK % 16 == 0, "each warp needs whole 16-key MMA steps");
   static_assert(KW == 1 || (RW == 1 && NT == 128), "the KW > 1 merge maps 8 threads to each of 16 rows");
-  static_assert(!PREP || RW == 1, "the fused prep is the decode instance's (one row tile)");
-  float wnq[kMaxHD / 32], wnk[kMaxHD / 32];  // PREP: the q and k norms' weights, before the PDL wait
-  if constexpr (PREP) {
-    norm_weights(HD, pi.q_norm, wnq);
-    norm_weights(HD, pi.k_norm, wnk);
-  }
-  pdl_wait();
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* qs = reinterpret_cast<bf16*>(smem);  // [BM][LD]
   bf16* ks = qs + BM * LD;                   // [NSTAGE][kBC][LD]
@@ -431,13 +396,11 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
 
   // Q tile (zero rows past nrows) joins the first K/V tile's cp.async group. Tile i lives in group i (empty
   // groups keep the count uniform), so waiting for all but the newest NSTAGE−1 groups lands tile it.
-  if constexpr (!PREP) {
-    for (int i = tid; i < BM * CH; i += NT) {
-      const int row = i / CH, c = i % CH, r = r0 + row;
-      const bool ok = r < nrows;
-      const size_t src = ok ? q_at(a, kvh, r, c) : 0;
-      cp_async16(qs + row * LD + c * 8, q + src, ok);
-    }
+  for (int i = tid; i < BM * CH; i += NT) {
+    const int row = i / CH, c = i % CH, r = r0 + row;
+    const bool ok = r < nrows;
+    const size_t src = ok ? q_at(a, kvh, r, c) : 0;
+    cp_async16(qs + row * LD + c * 8, q + src, ok);
   }
   auto load_kv = [&](int it) {  // tile it into stage it mod NSTAGE; keys ≥ kend are zero-filled
     if (it < ntiles) {
@@ -455,35 +418,6 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
 #pragma unroll
   for (int st = 0; st < NSTAGE - 1; ++st) load_kv(st);
 
-  // PREP, while the first tiles are in flight: the query rows into the Q tile (packed row r is head kvh·G + r of the
-  // one token; rows past nrows zero), and the token's own key and value if this block's keys hold position pos0.
-  __shared__ float xbuf[PREP ? NT / 32 : 1][PREP ? HD : 1];
-  __shared__ bf16 own[PREP ? 2 : 1][PREP ? HD : 1];
-  const bool own_key = PREP && pos0 >= k0 && pos0 < kend;
-  if constexpr (PREP) {
-    for (int row = warp; row < BM; row += NT / 32) {
-      bf16* dst = qs + row * LD;
-      if (r0 + row < nrows)
-        norm_rope(a, rf, qg + size_t(kvh * a.G + r0 + row) * 2 * HD, wnq, pos0, xbuf[warp],
-                  [&](int i, float y) { dst[i] = __float2bfloat16_rn(y); });
-      else
-        for (int i = lane; i < HD; i += 32) dst[i] = __float2bfloat16_rn(0.0f);
-    }
-    if (own_key && warp == NT / 32 - 1) {
-      const size_t in = size_t(kvh) * HD, row = (size_t(pos0) * a.NKV + kvh) * HD;
-      for (int i = lane; i < HD; i += 32) {
-        const bf16 x = pi.v[in + i];
-        own[1][i] = x;
-        pi.v_cache[row + i] = x;
-      }
-      norm_rope(a, rf, pi.k + in, wnk, pos0, xbuf[warp], [&](int i, float y) {
-        const bf16 x = __float2bfloat16_rn(y);
-        own[0][i] = x;
-        pi.k_cache[row + i] = x;
-      });
-    }
-  }
-
   // Visible-key limits: the thread's rows g, g+8; the warp's first and last rows (limits grow with the row).
   auto limit = [&](int r) { return min(pos0 + min(r / a.G, a.T - 1) + 1, kend); };
   const int wrow = r0 + wr * 16;
@@ -500,14 +434,6 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
     load_kv(it + NSTAGE - 1);
     cp_async_wait<NSTAGE - 1>();
     __syncthreads();
-    if constexpr (PREP) {  // the token's own key and value over what the tile's copy read from the caches
-      const int kr = pos0 - (k0 + it * kBC);
-      if (own_key && kr >= 0 && kr < kBC) {
-        const int at = ((it % NSTAGE) * kBC + kr) * LD;
-        for (int i = tid; i < HD; i += NT) ks[at + i] = own[0][i], vs[at + i] = own[1][i];
-        __syncthreads();
-      }
-    }
     const int kb = k0 + it * kBC + wk * NK;
     if (active && kb < lim_hi) {
       const int off = ((it % NSTAGE) * kBC + wk * NK) * LD;
@@ -817,15 +743,15 @@ __global__ void __launch_bounds__(kMaxHD / 4 * kCombineGroups) attn_combine_kern
 }
 
 // ---- launch helpers ----------------------------------------------------------------------------------------
-template <int HD, int RW, int KW, int NSTAGE, bool PREP = false>
+template <int HD, int RW, int KW, int NSTAGE>
 void launch_mma(Ctx& ctx, const KArgs& ka, int row_tiles, const bf16* q, const bf16* k_cache, const bf16* v_cache,
-                const bf16* qg, bf16* out, float* po, float* pml, const RopeFreq& rf, const PrepIn& pi) {
+                const bf16* qg, bf16* out, float* po, float* pml) {
   constexpr size_t smem = size_t(16 * RW + 2 * NSTAGE * kBC) * (HD + 8) * sizeof(bf16);
   LILY_CHECK(smem <= ctx.smem_optin, "attention: HD=", HD, " needs ", smem, " bytes of shared memory, the device has ",
              ctx.smem_optin);
-  allow_smem(ctx, attn_mma_kernel<HD, RW, KW, NSTAGE, PREP>, smem);
-  launch(ctx, attn_mma_kernel<HD, RW, KW, NSTAGE, PREP>, dim3(row_tiles, ka.NKV, ka.S), 32 * RW * KW, smem, ka, q,
-         k_cache, v_cache, qg, out, po, pml, rf, pi);
+  allow_smem(ctx, attn_mma_kernel<HD, RW, KW, NSTAGE>, smem);
+  launch(ctx, attn_mma_kernel<HD, RW, KW, NSTAGE>, dim3(row_tiles, ka.NKV, ka.S), 32 * RW * KW, smem, ka, q,
+         k_cache, v_cache, qg, out, po, pml);
 }
 
 // The prefill instance on wgmma: built for sm_90a, on a 9.0 device, switch attn_wgmma, whole 128-byte rows.
@@ -852,10 +778,9 @@ void launch_wgmma(Ctx& ctx, const KArgs& ka, int row_tiles, const bf16* q, const
   }
 }
 
-// prep: the inputs of the fused prep (decode, T = 1, switch attn_prep_fused), or null when attn_prep ran.
 template <int HD>
 void run_attention(Ctx& ctx, KArgs ka, const bf16* q, const bf16* k_cache, const bf16* v_cache, const bf16* qg,
-                   bf16* out, const RopeFreq& rf, const PrepIn* prep) {
+                   bf16* out) {
   const bool decode = ka.T * ka.G <= kDecodeMaxRows;
   const int BM = decode ? 16 : 128;
   const int row_tiles = int(cdiv(int64_t(ka.T) * ka.G, BM));
@@ -875,17 +800,14 @@ void run_attention(Ctx& ctx, KArgs ka, const bf16* q, const bf16* k_cache, const
     po = static_cast<float*>(ctx.scratch(kSlotAttnPartial, rows * (HD + 2) * sizeof(float)));
     pml = po + rows * HD;
   }
-  if (prep) {
-    launch_mma<HD, 1, 4, 3, true>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml, rf, *prep);
-    check_launch("attn_mma (prep fused)");
-  } else if (decode) {
-    launch_mma<HD, 1, 4, 3>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml, rf, PrepIn{});
+  if (decode) {
+    launch_mma<HD, 1, 4, 3>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
     check_launch("attn_mma");
   } else if (wgmma_applies<HD>(ctx)) {
     launch_wgmma<HD>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
     check_launch("attn_wgmma");
   } else {
-    launch_mma<HD, 8, 1, 2>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml, rf, PrepIn{});
+    launch_mma<HD, 8, 1, 2>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
     check_launch("attn_mma");
   }
   if (ka.S > 1) {
@@ -909,26 +831,20 @@ void attention(Ctx& ctx, const AttnArgs& a, const bf16* qg, const bf16* k, const
   ka.eps = a.eps, ka.R = a.rotary_dim;
   ka.S = 1;
 
+  bf16* q = static_cast<bf16*>(ctx.scratch(kSlotAttnQ, size_t(a.T) * a.NH * a.HD * sizeof(bf16)));
+  const int64_t items = int64_t(a.T) * (a.NH + a.NKV);
   RopeFreq rf{};
   for (int i = 0; i < a.rotary_dim / 2; ++i)
     rf.inv_freq[i] = std::pow(a.rope_theta, -2.0f * float(i) / float(a.rotary_dim));
-  // A decode token's prep inside its attention kernel (switch attn_prep_fused), else the prep kernel before it.
-  const bool fused = a.T == 1 && ka.G <= kDecodeMaxRows && ctx.opts.on(Opt::attn_prep_fused);
-  const PrepIn pi{k, v, q_norm, k_norm, k_cache, v_cache};
-  bf16* q = nullptr;
-  if (!fused) {
-    q = static_cast<bf16*>(ctx.scratch(kSlotAttnQ, size_t(a.T) * a.NH * a.HD * sizeof(bf16)));
-    const int64_t items = int64_t(a.T) * (a.NH + a.NKV);
-    launch(ctx, attn_prep_kernel, unsigned(cdiv(items, kPrepWarps)), 32 * kPrepWarps, 0, ka, rf, qg, k, v, q_norm,
-           k_norm, k_cache, v_cache, q);
-    check_launch("attn_prep");
-  }
-  const PrepIn* prep = fused ? &pi : nullptr;
+  launch(ctx, attn_prep_kernel, unsigned(cdiv(items, kPrepWarps)), 32 * kPrepWarps, 0, ka, rf, qg, k, v, q_norm,
+         k_norm, k_cache, v_cache, q);
+  check_launch("attn_prep");
+
   switch (a.HD) {
-    case 32: run_attention<32>(ctx, ka, q, k_cache, v_cache, qg, out, rf, prep); break;
-    case 64: run_attention<64>(ctx, ka, q, k_cache, v_cache, qg, out, rf, prep); break;
-    case 128: run_attention<128>(ctx, ka, q, k_cache, v_cache, qg, out, rf, prep); break;
-    default: run_attention<256>(ctx, ka, q, k_cache, v_cache, qg, out, rf, prep); break;
+    case 32: run_attention<32>(ctx, ka, q, k_cache, v_cache, qg, out); break;
+    case 64: run_attention<64>(ctx, ka, q, k_cache, v_cache, qg, out); break;
+    case 128: run_attention<128>(ctx, ka, q, k_cache, v_cache, qg, out); break;
+    default: run_attention<256>(ctx, ka, q, k_cache, v_cache, qg, out); break;
   }
 }
 
