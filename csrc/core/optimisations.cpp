@@ -64,6 +64,13 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::attn_short_splits, "attn_short_splits", "cuda",
        "decode attention: key splits of at least 64 keys instead of 256, so that a short context fills the SMs (at "
        "4K, 66 splits instead of 17)"},
+      {Opt::qmv_dp4a, "qmv_dp4a", "cuda",
+       "decode GEMV (streaming): the 4- and 8-bit dot products as integer dp4a on x staged in 16-bit fixed point per "
+       "16-byte code chunk (exact for every element within 2^7 of its chunk's largest), instead of fp32 FMAs on "
+       "codes turned into floats: a quarter of the instructions per code"},
+      {Opt::moe_dp4a, "moe_dp4a", "cuda",
+       "decode MoE: the gate+up kernel's dot products on dp4a the same way, each block staging m once in shared "
+       "memory in 16-bit fixed point, instead of every lane holding its chunks of m as fp32 in registers"},
       {Opt::attn_simdgroup, "attn_simdgroup", "metal",
        "prefill attention with its two products (Q·Kᵀ, P·V) on simdgroup matrices, the keys and values staged as fp32 "
        "tiles, instead of scalar fp32 dot products over the same tiles"},

@@ -64,6 +64,11 @@ enum class Opt : int {
                      //   weights, instead of rounds over the probabilities
   attn_short_splits, // CUDA: decode attention's key splits at least kMinDecodeSplitKeys (64) keys long instead of 256,
                      //   so that a short context fills the SMs (4K: 66 splits of 64 keys instead of 17 of 256)
+  qmv_dp4a,          // CUDA: the streaming decode GEMV's dot products as integer dp4a on x staged in 16-bit fixed
+                     //   point per code chunk, instead of fp32 FMAs on codes turned into floats. Not on Metal: Apple
+                     //   GPUs have no integer dot-product instruction (benchmarks/NOTES.md, Metal)
+  moe_dp4a,          // CUDA: the decode MoE's gate+up dot products the same way, each block staging m once in shared
+                     //   memory as x16, instead of every lane holding its chunks of m as fp32. Not on Metal (as above)
   attn_simdgroup,    // Metal: prefill attention (from ATTN_SG_MIN_ROWS packed rows per kv head) with Q·Kᵀ and P·V
                      //   on simdgroup matrices (metal/attention.metal attn_sg) instead of scalar fp32 tiles. CUDA's
                      //   prefill attention is on tensor cores already (attention.cu attn_mma_kernel, attn_wgmma)

@@ -55,6 +55,14 @@ def _act(rng, shape, std=1.0):
     return bf16(rng.normal(0.0, std, size=shape))
 
 
+def _spread(rng, shape):
+    """bf16 activations whose magnitudes span ~2^±12, with runs of 32 zeros: a fixed-point staging of x (CUDA's
+    qmv_dp4a scales each chunk by its largest element) must keep the small ones and survive an all-zero chunk."""
+    x = rng.normal(0.0, 1.0, size=shape) * np.exp2(rng.normal(0.0, 4.0, size=shape))
+    x.reshape(-1, 32)[::5] = 0.0
+    return bf16(x)
+
+
 def dequantize(words, scales, biases, bits: int, group: int) -> np.ndarray:
     """The float64 matrix [N, K] of MLX affine codes (LSB first), bf16 scales and biases."""
     shifts = np.arange(0, 32, bits, dtype=np.uint32)
@@ -97,7 +105,7 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
     elif op == "qmm":
         q, kp = qmatrix(rng, "W", 0, d["N"], d["K"], d.get("bits", 4), d.get("group", 64), std=d["K"] ** -0.5)
         x.update(q), p.update(kp)
-        x["x"] = _act(rng, (d["T"], d["K"]))
+        x["x"] = (_spread if d.get("spread") else _act)(rng, (d["T"], d["K"]))
     elif op == "qmm_multi":
         for i, n in enumerate(d["Ns"]):
             q, kp = qmatrix(rng, f"W{i}", 0, n, d["K"], d.get("bits", 4), std=d["K"] ** -0.5)
@@ -109,7 +117,8 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
             q, kp = qmatrix(rng, f"W{i}", 0, n, d["K"], d.get("bits", 4), std=d["K"] ** -0.5)
             x.update(q), p.update(kp)
         p.update(n=len(d["Ns"]), eps=1e-6)
-        x["x"] = rng.normal(0, 2.0, size=(d["T"], d["K"])).astype(np.float32)
+        x["x"] = (_spread(rng, (d["T"], d["K"])) if d.get("spread") else
+                  rng.normal(0, 2.0, size=(d["T"], d["K"])).astype(np.float32))
         x["w"] = (1.0 + rng.normal(0, 0.1, size=d["K"])).astype(np.float32)
     elif op == "attention":
         T, NH, NKV, HD, pos0 = d["T"], d["NH"], d["NKV"], d["HD"], d["pos0"]
@@ -281,6 +290,12 @@ CASES = [
     # a relative error of bf16 x (2 rows: one dot whose terms cancel decided it, and 2.5 % came up in one run of ~30)
     Case("rms_norm_qmm", dict(T=1, K=4096, Ns=(64,)), tags=("edge",)),
     Case("rms_norm_qmm", dict(T=2, K=256, Ns=(72, 40)), tags=("edge",)),
+    # x over a wide range with all-zero chunks, on the streaming GEMV (4 bits: K 1024 or 2048; 8 bits: K ≥ 512)
+    *[Case(op, dict(T=1, K=k, **ns, bits=b, spread=True), tags=("edge",)) for b, k in ((4, 1024), (4, 2048), (8, 1024))
+      for op, ns in (("qmm", dict(N=72)), ("rms_norm_qmm", dict(Ns=(40, 8))))],
+    # ... and on the row-block GEMV (K = 4096 at 4 bits, or short rows), K split over warps or not
+    *[Case("qmm", dict(T=1, N=n, K=k, bits=b, spread=True), tags=("edge",)) for n, k, b in (
+        (40, 4096, 4), (72, 256, 4), (70, 256, 8), (2048, 4096, 4))],
     # prefill GEMM
     Case("qmm", dict(T=512, N=8192, K=2048), tags=("model",)),
     Case("qmm", dict(T=512, N=2048, K=4096), tags=("model",)),

@@ -1,5 +1,6 @@
 """Tier 1 op test (llama.cpp's test-backend-ops idea): every op of every GPU backend compiled in, against the CPU
 reference backend, on identical fresh random inputs, at the real shapes and at odd ones (tests/ops/cases.py)."""
+import dataclasses
 import os
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import lily
 from lily import _core
 
-from .cases import CASES, check, make
+from .cases import CASES, Case, check, make
 
 GPU_BACKENDS = [b for b in lily.backend_names() if b != "cpu"]
 # LILY_OP_TAGS=edge runs only the cases with that tag (the small ones, e.g. under compute-sanitizer).
@@ -54,3 +55,24 @@ def test_route_logits_picks_as_the_probabilities(case):
     off = _core.testing.run_op("cuda", case.op, {**params, "disable": "route_logits"}, inputs)
     for name, v in on.items():
         np.testing.assert_array_equal(v, off[name], err_msg=f"{case.id}/{name}")
+
+
+# The switches qmv_dp4a and moe_dp4a stage x in 16-bit fixed point per 16-byte code chunk (csrc/backend/cuda/x16.cuh):
+# exact for every element within 2^7 of its chunk's largest, the rest off by ≤ 2^-15 of it, and integer sums. Their
+# results must agree with the fp32 path's far closer than the op test's bf16 tolerance: ≤ 5e-4 relative, fp32 outputs
+# (a dropped low byte would be ~4e-3). The one-token GEMV cases with fp32 outputs, and the one-token MoE's increment.
+DP4A = [(c, "qmv_dp4a") for c in SELECTED if c.op == "qmm" and c.dims["T"] == 1] + \
+       [(c, "qmv_dp4a") for c in SELECTED if c.op == "rms_norm_qmm" and c.dims["T"] == 1 and len(c.dims["Ns"]) == 1] + \
+       [(c, "moe_dp4a") for c in SELECTED if c.op == "moe_residual" and c.dims["T"] == 1]
+
+
+@pytest.mark.skipif(CUDA is None or not CUDA.usable,
+                    reason=f"the CUDA backend cannot run here: {CUDA.reason if CUDA else 'not compiled in'}")
+@pytest.mark.parametrize("case,switch", DP4A, ids=lambda v: v.id if isinstance(v, Case) else v)
+def test_dp4a_matches_the_fp32_path(case, switch):
+    params, inputs = make(case, np.random.default_rng())
+    if case.op != "moe_residual":
+        params["y_f32"] = True
+    on = _core.testing.run_op("cuda", case.op, {**params, "disable": ""}, inputs)
+    off = _core.testing.run_op("cuda", case.op, {**params, "disable": switch}, inputs)
+    check(dataclasses.replace(case, tol=5e-4), off, on, inputs)

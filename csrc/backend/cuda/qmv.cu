@@ -19,7 +19,8 @@
 //          row per warp step), issues up to 8 chunk loads before the first use and before x is staged. x is staged
 //          once per block into shared memory as fp32, swizzled (float4 slot XOR row mod 8: quarter-warps reading
 //          8 consecutive chunks hit 8 distinct bank groups), with Σx per chunk precomputed; one x read serves 4
-//          rows. Codes → floats by byte permute (no I2F). Warp shuffle sums, then a fixed-order sum over the
+//          rows (switch qmv_dp4a, T = 1: x staged as 16-bit integers, the codes multiplied by dp4a; below). Codes →
+//          floats by byte permute (no I2F). Warp shuffle sums, then a fixed-order sum over the
 //          split warps in shared memory (deterministic, no atomics).
 // Checks   bits 4|8; group 32|64|128; K % group == 0; W.E == 1; 16-byte aligned W and x; T·K·4 + T·K·bits/32 bytes
 //          of x staging fit in shared memory (T=1 K=2048: 8.3 KB; T=8 K=4096: 132 KB). Scales may be negative.
@@ -35,10 +36,14 @@
 //          rms_norm(x)·w from the fp32 residual itself (stage_x_norm, after its first weight units are in flight),
 //          so the input projections and the lm_head need no norm kernel: decode +1.35 % at 4K. Tried and removed:
 //          the post-mixer residual add and norm in the router the same way (+0.6 %, benchmarks/NOTES.md v14).
+//          v6 (2026-12-05) qmv_dp4a (switch): one token's dot products (both kernels) on dp4a, x staged in 16-bit
+//          fixed point per code chunk (x16.cuh: exact for every element within 2^7 of its chunk's largest), ~0.75
+//          instructions per 4-bit code instead of ~2.4.
 #include <utility>
 
 #include "backend/cuda/gemm.cuh"
 #include "backend/cuda/ops.cuh"
+#include "backend/cuda/x16.cuh"
 
 namespace lily::cuda {
 
@@ -129,9 +134,9 @@ constexpr int kNormF4 = 2;  // float4 chunks of xn per thread: K ≤ 2 · 4 · b
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
-template <int BITS>
-__device__ __forceinline__ void stage_x_norm(const QmvParams& p, float4* xs, float* xsum) {
-  constexpr int kF4 = 32 / BITS;  // float4s of x per 16-byte chunk of codes
+// x = bf16(xn · r · nw) for stage_x_norm and stage_x16_norm, r = 1 / sqrt(mean(xn²) + eps) by rms_norm_kernel's
+// block sum: thread i's float4 chunks i + blockDim·j (o[j]; zero past K), bitwise the norm kernel's row.
+__device__ __forceinline__ void norm_row(const QmvParams& p, float4 (&o)[kNormF4]) {
   const int K4 = p.K / 4;
   const float4* xr = reinterpret_cast<const float4*>(p.xn);
   const float4* wr = reinterpret_cast<const float4*>(p.nw);
@@ -147,11 +152,21 @@ __device__ __forceinline__ void stage_x_norm(const QmvParams& p, float4* xs, flo
   for (int j = 0; j < kNormF4; ++j) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
   const float r = 1.0f / sqrtf(block_sum(ss) / float(p.K) + p.eps);
 #pragma unroll
+  for (int j = 0; j < kNormF4; ++j)  // as rms_norm stores
+    o[j] = make_float4(bf16_round(v[j].x * r * wv[j].x), bf16_round(v[j].y * r * wv[j].y),
+                       bf16_round(v[j].z * r * wv[j].z), bf16_round(v[j].w * r * wv[j].w));
+}
+
+template <int BITS>
+__device__ __forceinline__ void stage_x_norm(const QmvParams& p, float4* xs, float* xsum) {
+  constexpr int kF4 = 32 / BITS;  // float4s of x per 16-byte chunk of codes
+  const int K4 = p.K / 4;
+  float4 x[kNormF4];
+  norm_row(p, x);
+#pragma unroll
   for (int j = 0; j < kNormF4; ++j) {
     const int i = threadIdx.x + j * blockDim.x;  // K4 % kF4 == 0: a chunk's lanes are all in or all out
-    const float4 w4 = wv[j];
-    const float4 o = make_float4(bf16_round(v[j].x * r * w4.x), bf16_round(v[j].y * r * w4.y),
-                                 bf16_round(v[j].z * r * w4.z), bf16_round(v[j].w * r * w4.w));  // as rms_norm stores
+    const float4 o = x[j];
     float sum = (o.x + o.y) + (o.z + o.w);
 #pragma unroll
     for (int m = 1; m < kF4; m <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
@@ -162,17 +177,67 @@ __device__ __forceinline__ void stage_x_norm(const QmvParams& p, float4* xs, flo
   }
 }
 
-template <int BITS, int T>
+// ---- switch qmv_dp4a: x staged in 16-bit fixed point (x16.cuh), the dot products on dp4a (T = 1) -----------------
+// stage_x_norm's form for the switch: x = bf16(xn · r · nw) as stage_x_norm computes it; the kF4 lanes holding a
+// chunk's float4s find its largest |x| and Σx by shuffles, each turns its own four values into x16 and writes its
+// bytes (at 4 bits two lanes' halves make a word's slot: one shuffle pair, the lower lane writes).
+template <int BITS>
+__device__ __forceinline__ void stage_x16_norm(const QmvParams& p, uint4* xi, float* xsum, float* xd) {
+  constexpr int kF4 = 32 / BITS;
+  const int K4 = p.K / 4;
+  float4 xn[kNormF4];
+  norm_row(p, xn);
+#pragma unroll
+  for (int j = 0; j < kNormF4; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;  // K4 % kF4 == 0: a chunk's lanes are all in or all out
+    const int c = i / kF4, f = i % kF4;          // chunk, and this lane's float4 in it
+    const float o[4] = {xn[j].x, xn[j].y, xn[j].z, xn[j].w};
+    float m = fmaxf(fmaxf(fabsf(o[0]), fabsf(o[1])), fmaxf(fabsf(o[2]), fabsf(o[3])));
+    float sum = (o[0] + o[1]) + (o[2] + o[3]);
+#pragma unroll
+    for (int k = 1; k < kF4; k <<= 1) {
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, k));
+      sum += __shfl_xor_sync(0xffffffffu, sum, k);
+    }
+    const int e = x16_exp(m);
+    const float mul = pow2f(14 - e);
+    int x[4];
+#pragma unroll
+    for (int h = 0; h < 4; ++h) x[h] = round_small(o[h] * mul);
+    if constexpr (BITS == 4) {  // float4 f: half f % 2 of word f / 2; even elements 0, 2 and odd 1, 3 of the half
+      uint32_t h, l;
+      x16_bytes(x[0], x[2], x[1], x[3], h, l);  // bytes 0, 1: the even elements; bytes 2, 3: the odd ones
+      const uint32_t ph = __shfl_xor_sync(0xffffffffu, h, 1), pl = __shfl_xor_sync(0xffffffffu, l, 1);
+      if (i < K4 && (f & 1) == 0)  // {hi even, hi odd, lo even, lo odd}: this half's two bytes low, the peer's high
+        xi[x16_slot<BITS>(c, f >> 1)] = make_uint4(__byte_perm(h, ph, 0x5410), __byte_perm(h, ph, 0x7632),
+                                                   __byte_perm(l, pl, 0x5410), __byte_perm(l, pl, 0x7632));
+    } else {  // float4 f: word f of the chunk
+      uint32_t hi, lo;
+      x16_bytes(x[0], x[1], x[2], x[3], hi, lo);
+      if (i < K4) reinterpret_cast<uint2*>(xi)[2 * x16_slot<BITS>(c, f >> 1) + (f & 1)] = make_uint2(hi, lo);
+    }
+    if (i < K4 && f == 0) {
+      xsum[c] = sum;
+      xd[c] = pow2f(e - (BITS == 4 ? 18 : 14));
+    }
+  }
+}
+
+// X16 (switch qmv_dp4a, T = 1): x staged as x16 (x16.cuh), the dot products on dp4a.
+template <int BITS, int T, bool X16 = false>
 __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
   using Q = QCodes<BITS>;
+  static_assert(!X16 || T == 1, "x16 staging holds one row");
   constexpr int kEpc = 128 / BITS;           // codes per 16-byte chunk
   constexpr int kPW = Q::kPerWord;           // codes per word
   constexpr int kUnroll = T <= 2 ? 2 : 1;    // warp steps whose loads are issued together
-  extern __shared__ float4 xs[];             // [T][K/4] swizzled fp32 x, then xsum fp32 [T][chunks]
+  extern __shared__ float4 xs[];             // [T][K/4] swizzled fp32 x (X16: x16 slots), then xsum fp32 [T][chunks]
   __shared__ float red[kWarps][kRows * T];   // per-warp row sums
 
   const int K4 = p.K / 4, C = p.chunks;
-  float* xsum = reinterpret_cast<float*>(xs + T * K4);
+  float* xsum = X16 ? reinterpret_cast<float*>(xs + C * kX16Slots<BITS>) : reinterpret_cast<float*>(xs + T * K4);
+  float* xd = xsum + C;  // X16
+  uint4* xi = reinterpret_cast<uint4*>(xs);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int split = 1 << p.split_log;
   const int sp = warp & (split - 1), rg = warp >> p.split_log;
@@ -221,6 +286,19 @@ __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
     for (int u = 0; u < kUnroll; ++u) {
       const int c = base + u * step + lane;
       if (c >= C) continue;
+      if constexpr (X16) {  // Σ q·x16 in int32, then s·xd·Σ + b·Σx
+        const uint4* qp[kRows];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) qp[r] = &q[u][r];
+        int tot[kRows];
+        x16_dots<BITS, kRows>(xi, c, qp, tot);
+        const float dc = xd[c], xsc = xsum[c];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          acc[r][0] =
+              fmaf(bf16_bits_to_f(sv[u][r]) * dc, float(tot[r]), fmaf(bf16_bits_to_f(bv[u][r]), xsc, acc[r][0]));
+        continue;
+      }
       const int e0 = c * kEpc;
       float d[kRows][T];
 #pragma unroll
@@ -267,7 +345,10 @@ __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
   if (active) load(first);  // the weight stream starts before x is staged (and before the previous kernel is done)
   pdl_wait();
 
-  stage_x<BITS, T>(p, xs, xsum);
+  if constexpr (X16)
+    stage_x16<BITS>(p.x, p.chunks, xi, xsum, xd);
+  else
+    stage_x<BITS, T>(p, xs, xsum);
   __syncthreads();
 
   if (active) {
@@ -315,13 +396,15 @@ struct StreamUnit {
   uint16_t s[RPU][CPL], b[RPU][CPL];
 };
 
-template <int BITS, int CPL>
+template <int BITS, int CPL, bool X16>
 __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_stream_kernel(const QmvParams p) {
   using Q = QCodes<BITS>;
   constexpr int kEpc = 128 / BITS, kPW = Q::kPerWord, RPU = 4 / CPL;
-  extern __shared__ float4 xs[];  // [K/4] swizzled fp32 x, then xsum fp32 [chunks]
+  extern __shared__ float4 xs[];  // [K/4] swizzled fp32 x, or (X16) the x16 slots; then Σx fp32 [chunks], (X16) xd
   const int C = p.chunks;
-  float* xsum = reinterpret_cast<float*>(xs + p.K / 4);
+  float* xsum = X16 ? reinterpret_cast<float*>(xs + C * kX16Slots<BITS>) : reinterpret_cast<float*>(xs + p.K / 4);
+  float* xd = xsum + C;
+  uint4* xi = reinterpret_cast<uint4*>(xs);
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * kStreamWarps, units = p.rows / RPU;
   int u = blockIdx.x * kStreamWarps + (threadIdx.x >> 5);
@@ -346,6 +429,18 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
       const int c = lane + 32 * i, e0 = c * kEpc;
+      if constexpr (X16) {  // Σ q·x16 in int32, then s·xd·Σ + b·Σx
+        const uint4* q[RPU];
+#pragma unroll
+        for (int r = 0; r < RPU; ++r) q[r] = &U.q[r][i];
+        int tot[RPU];
+        x16_dots<BITS, RPU>(xi, c, q, tot);
+        const float d = xd[c], xsc = xsum[c];
+#pragma unroll
+        for (int r = 0; r < RPU; ++r)
+          acc[r] = fmaf(bf16_bits_to_f(U.s[r][i]) * d, float(tot[r]), fmaf(bf16_bits_to_f(U.b[r][i]), xsc, acc[r]));
+        continue;
+      }
       float d[RPU] = {};
 #pragma unroll
       for (int wi = 0; wi < 4; ++wi) {
@@ -388,10 +483,17 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
   pdl_trigger();
   if (u < units) load(u, A);  // the weight stream starts before the previous kernel is done
   pdl_wait();
-  if (p.xn)
-    stage_x_norm<BITS>(p, xs, xsum);
-  else
-    stage_x<BITS, 1>(p, xs, xsum);
+  if constexpr (X16) {
+    if (p.xn)
+      stage_x16_norm<BITS>(p, xi, xsum, xd);
+    else
+      stage_x16<BITS>(p.x, p.chunks, xi, xsum, xd);
+  } else {
+    if (p.xn)
+      stage_x_norm<BITS>(p, xs, xsum);
+    else
+      stage_x<BITS, 1>(p, xs, xsum);
+  }
   __syncthreads();
   while (u < units) {  // two units per trip, so that A and B swap roles without run-time register indexing
     const int u1 = u + warps;
@@ -547,9 +649,19 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2) qmv_mma_kernel(const QmvPar
   }
 }
 
+// Shared memory of T rows of staged fp32 x and their chunk sums.
+size_t stage_bytes(const QmvParams& p, int T) { return size_t(T) * p.K * 4 + size_t(T) * p.chunks * 4; }
+// The same for one row staged as x16 (switch qmv_dp4a): 2 bytes an element, Σx and xd per chunk.
+size_t stage_x16_bytes(const QmvParams& p) { return size_t(p.K) * 2 + size_t(p.chunks) * 8; }
+
 template <int BITS, int T>
 void launch_qmv(const Ctx& ctx, const QmvParams& p, int grid, size_t smem) {
   auto kernel = qmv_kernel<BITS, T>;
+  if constexpr (T == 1)
+    if (ctx.opts.on(Opt::qmv_dp4a)) {
+      kernel = qmv_kernel<BITS, 1, true>;
+      smem = stage_x16_bytes(p);
+    }
   if (smem + red_bytes(T) > 48 * 1024) allow_smem(ctx, kernel, smem);  // dynamic + static past the default limit
   launch(ctx, kernel, grid, kWarps * 32, smem, p);
 }
@@ -606,10 +718,13 @@ bool launch_stream(Ctx& ctx, const QMatrix* Ws, int n, const QmvParams& p, size_
   if (!takes) return false;
   const int blocks = int(std::min<int64_t>(int64_t(kStreamBlocksPerSm) * ctx.num_sms,
                                            cdiv(p.rows / rpu, kStreamWarps)));
+  const bool x16 = ctx.opts.on(Opt::qmv_dp4a);
+  if (x16) smem = stage_x16_bytes(p);
   dispatch_bits(bits, [&](auto bits_c) {
     constexpr int BITS = decltype(bits_c)::value;
     auto go = [&](auto cpl_c) {
-      auto kernel = qmv_stream_kernel<BITS, decltype(cpl_c)::value>;
+      constexpr int CPL = decltype(cpl_c)::value;
+      auto kernel = x16 ? qmv_stream_kernel<BITS, CPL, true> : qmv_stream_kernel<BITS, CPL, false>;
       if (smem > 48 * 1024) allow_smem(ctx, kernel, smem);
       launch(ctx, kernel, blocks, kStreamWarps * 32, smem, p);
     };
@@ -624,8 +739,6 @@ bool launch_stream(Ctx& ctx, const QMatrix* Ws, int n, const QmvParams& p, size_
   return true;
 }
 
-// Shared memory of T rows of staged fp32 x and their chunk sums.
-size_t stage_bytes(const QmvParams& p, int T) { return size_t(T) * p.K * 4 + size_t(T) * p.chunks * 4; }
 
 // T ≤ kQmvMaxT: qmv_kernel, or qmv_stream_kernel for one token.
 void qmv_simt(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
