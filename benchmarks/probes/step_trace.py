@@ -8,11 +8,14 @@ Every kernel's block 0 records when it passes its PDL wait (csrc/backend/cuda/st
 predecessor's results became visible to it. The time from one kernel's record to the next one's is the first
 kernel's share of the step's critical path (what the step would lose if it took no time), the sum over a step is the
 step. ncu times graph nodes one at a time without that overlap (`profile_step.py`: an upper bound); nsys does not run
-on the lent machines.
+on the lent machines. Every block also records reaching its pdl_trigger, its first instructions: "lead" is the median
+over a launch's blocks of how long a block sat on its SM before block 0's wait returned (the time PDL gave its early
+loads; negative for blocks that found room only later), "early" the share of blocks in before the wait by ≥ 0.5 µs.
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 import shutil
@@ -53,22 +56,34 @@ def main() -> None:
     s = model.core.session(max_context=args.context + args.steps + 64)
     g = _core.Generator(s, lily.SamplingParams(temperature=0.0).to_core(), [], args.steps + 16, model.n_valid)
     g.prefill(prompt)
-    _core.testing.step_trace_start()
+    _core.testing.step_trace_start(64 << 20)  # every block's start: ~60K records a step
     for _ in range(args.steps + 4):  # an eager step, the captured one, then replays
         g.next()
     names, grids, times = _core.testing.step_trace_stop()
 
     # One time per launch, its block 0's first wait. A graph's node keeps its %gridid from replay to replay, so a
     # launch is a run of records of one id in time order (the next kernel cannot pass its wait before this one ends).
-    order = []
+    # Start records (top bit of the id) are block 0 reaching its pdl_trigger: kept apart, per id, in time order.
+    order, starts = [], defaultdict(list)
     for t, gid in sorted(zip(times, grids)):
-        if not order or order[-1][0] != gid:
+        if gid >> 63:
+            starts[gid & ~(1 << 63)].append(t)
+        elif not order or order[-1][0] != gid:
             order.append((gid, t))
     K = len(names)
     R = min(args.steps, len(order) // K - 1)
     if K == 0 or R < 1:
         raise SystemExit(f"{len(order)} records for {K} kernels per step: nothing to read")
     t = np.array([v for _, v in order[-(R + 1) * K:]], dtype=np.float64).reshape(R + 1, K)
+    # Each launch's block starts: those of its id within 200 µs of its wait (a step is > 1 ms, so this replay's).
+    lead, early = np.full((R + 1) * K, np.nan), np.full((R + 1) * K, np.nan)
+    for i, (gid, tw) in enumerate(order[-(R + 1) * K:]):
+        st = starts.get(gid, [])
+        d = tw - np.array(st[bisect.bisect_left(st, tw - 200_000):bisect.bisect_right(st, tw + 200_000)])
+        if d.size:
+            lead[i], early[i] = np.median(d), np.mean(d >= 500)
+    lead = np.nanmedian(lead.reshape(R + 1, K)[:-1], axis=0) / 1e3
+    early = np.nanmedian(early.reshape(R + 1, K)[:-1], axis=0)
     step_ns = t[1:, 0] - t[:-1, 0]                  # first kernel to the next step's first kernel
     delta = np.empty((R, K))
     delta[:, :-1] = t[:-1, 1:] - t[:-1, :-1]        # kernel i's share: its record to kernel i+1's
@@ -76,26 +91,30 @@ def main() -> None:
     per = np.median(delta, axis=0) / 1e3             # µs per position in the step
     short = demangle(names)
 
-    by = defaultdict(lambda: [0, 0.0])
-    for n, us in zip(short, per):
+    by = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    for n, us, ld, ea in zip(short, per, lead, early):
         by[n][0] += 1
         by[n][1] += us
+        by[n][2] += ld
+        by[n][3] += ea
     step_us = float(np.median(step_ns)) / 1e3
     print(f"context {args.context}: {K} kernels per step, step {step_us:.1f} µs (median of {R}; "
           f"{1e6 / step_us:.1f} tok/s), sum of medians {per.sum():.1f} µs")
-    print(f"{'kernel':<48} {'calls':>5} {'µs/call':>8} {'µs/step':>8} {'share':>6}")
-    for n, (c, us) in sorted(by.items(), key=lambda kv: -kv[1][1]):
-        print(f"{n[:48]:<48} {c:>5} {us / c:>8.2f} {us:>8.1f} {100 * us / per.sum():>5.1f}%")
-    print("\nthe first kernels of the step, in order (µs each):")
+    print(f"{'kernel':<48} {'calls':>5} {'µs/call':>8} {'µs/step':>8} {'share':>6} {'lead µs':>8} {'early':>6}")
+    for n, (c, us, ld, ea) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        print(f"{n[:48]:<48} {c:>5} {us / c:>8.2f} {us:>8.1f} {100 * us / per.sum():>5.1f}% {ld / c:>8.2f} "
+              f"{100 * ea / c:>5.0f}%")
+    print("\nthe first kernels of the step, in order (µs each: share, lead; early):")
     for i in range(min(K, 40)):
-        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f}")
+        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}%")
     print("the last kernels:")
     for i in range(max(0, K - 8), K):
-        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f}")
+        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}%")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"context": args.context, "steps": R, "step_us": step_us, "disable": off,
-                       "kernels": [{"name": n, "us": round(float(u), 3)} for n, u in zip(short, per)]}, f, indent=1)
+                       "kernels": [{"name": n, "us": round(float(u), 3), "lead_us": round(float(ld), 3),
+                                    "early": round(float(ea), 3)} for n, u, ld, ea in zip(short, per, lead, early)]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -79,13 +79,16 @@ __device__ unsigned long long* g_step_trace = nullptr;
 void set_step_trace(unsigned long long* p) { LILY_CUDA_CHECK(cudaMemcpyToSymbol(g_step_trace, &p, sizeof(p))); }
 [[maybe_unused]] const bool step_trace_registered = (step_trace_register(&set_step_trace), true);
 }  // namespace
-__device__ __forceinline__ void step_trace_mark() {
-  if (threadIdx.x || blockIdx.x || blockIdx.y || blockIdx.z) return;
+// start: the record is a block's pdl_trigger (its first instructions, before the wait; every block records one),
+// flagged by the grid id's top bit; else it is block 0 passing its PDL wait.
+__device__ __forceinline__ void step_trace_mark(bool start) {
+  if (threadIdx.x || (!start && (blockIdx.x || blockIdx.y || blockIdx.z))) return;
   unsigned long long* tr = g_step_trace;
   if (!tr) return;
   unsigned long long grid, t;
   asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (start) grid |= 1ull << 63;
   const unsigned long long i = atomicAdd(tr, 1ull);
   if (i < tr[1]) tr[2 + 2 * i] = grid, tr[3 + 2 * i] = t;
 }
@@ -93,10 +96,15 @@ __device__ __forceinline__ void step_trace_mark() {
 __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #ifdef LILY_STEP_TRACE
-  step_trace_mark();
+  step_trace_mark(false);
 #endif
 }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() {
+#ifdef LILY_STEP_TRACE
+  step_trace_mark(true);
+#endif
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 // Launches kernel<<<grid, block, smem, ctx.stream>>>(args…), with the PDL attribute when the switch is on.
 template <typename... Params, typename... Args>

@@ -2,7 +2,8 @@
 // that ships). Each kernel's block 0 records, right after its PDL wait, the time (%globaltimer) at which its
 // predecessor's results became visible to it; consecutive records of one step give each kernel's share of the
 // step's critical path, with the overlap PDL allows (ncu profiles graph nodes one at a time, without it; nsys
-// does not run on the lent machines). Read by benchmarks/probes/step_trace.py through lily._core.testing.
+// does not run on the lent machines). Every block also records its pdl_trigger, its first instructions: how long
+// before block 0's wait returned PDL let it onto an SM. Read by benchmarks/probes/step_trace.py through lily._core.testing.
 // Plain C++: included by the bindings as well as by the CUDA files.
 #pragma once
 #include <cstdint>
@@ -13,8 +14,9 @@ namespace lily {
 
 struct StepTrace {
   std::vector<std::string> names;  // the kernels of every graph captured while tracing, in launch order
-  std::vector<uint64_t> grids;     // per record: the launch (%gridid) ...
-  std::vector<uint64_t> times;     // ... and when its block 0 passed the PDL wait (ns, %globaltimer)
+  std::vector<uint64_t> grids;     // per record: the launch (%gridid; top bit set for a start record) ...
+  std::vector<uint64_t> times;     // ... and when its block 0 passed the PDL wait, or (start record) reached its
+                                   // pdl_trigger, its first instructions (ns, %globaltimer)
 };
 
 // Starts recording (up to `capacity` records: stopping after more is an error that says so).
