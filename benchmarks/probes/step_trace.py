@@ -63,7 +63,7 @@ def main() -> None:
 
     # One time per launch, its block 0's first wait. A graph's node keeps its %gridid from replay to replay, so a
     # launch is a run of records of one id in time order (the next kernel cannot pass its wait before this one ends).
-    # Start records (top bit of the id) are block 0 reaching its pdl_trigger: kept apart, per id, in time order.
+    # Start records (top bit of the id) are each block reaching its pdl_trigger: kept apart, per id, in time order.
     order, starts = [], defaultdict(list)
     for t, gid in sorted(zip(times, grids)):
         if gid >> 63:
@@ -114,7 +114,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"context": args.context, "steps": R, "step_us": step_us, "disable": off,
                        "kernels": [{"name": n, "us": round(float(u), 3), "lead_us": round(float(ld), 3),
-                                    "early": round(float(ea), 3)} for n, u, ld, ea in zip(short, per, lead, early)]}, f, indent=1)
+                                    "early": round(float(ea), 3)} for n, u, ld, ea in zip(short, per, lead, early)]},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
