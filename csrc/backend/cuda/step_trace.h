@@ -3,7 +3,8 @@
 // predecessor's results became visible to it; consecutive records of one step give each kernel's share of the
 // step's critical path, with the overlap PDL allows (ncu profiles graph nodes one at a time, without it; nsys
 // does not run on the lent machines). Every block also records its pdl_trigger, its first instructions: how long
-// before block 0's wait returned PDL let it onto an SM. Read by benchmarks/probes/step_trace.py through lily._core.testing.
+// before block 0's wait returned PDL let it onto an SM. Read by benchmarks/probes/step_trace.py through
+// lily._core.testing.
 // Plain C++: included by the bindings as well as by the CUDA files.
 #pragma once
 #include <cstdint>
