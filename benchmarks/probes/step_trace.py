@@ -56,7 +56,7 @@ def main() -> None:
     s = model.core.session(max_context=args.context + args.steps + 64)
     g = _core.Generator(s, lily.SamplingParams(temperature=0.0).to_core(), [], args.steps + 16, model.n_valid)
     g.prefill(prompt)
-    _core.testing.step_trace_start(64 << 20)  # every block's start: ~60K records a step
+    _core.testing.step_trace_start((args.steps + 8) * 100_000)  # every block's start: ~60K records a step
     for _ in range(args.steps + 4):  # an eager step, the captured one, then replays
         g.next()
     names, grids, times = _core.testing.step_trace_stop()
