@@ -25,11 +25,10 @@ def profile(context: int, chunk: int, prefix: int, what: str) -> None:
 
     import lily
     from lily import _core
-    from lily.bench import FULL_TEXT_CONFIG
-    from lily.tiny import build_random
+    from lily.bench import random_model
 
     cuda = ctypes.CDLL("libcuda.so.1")
-    model = lily.Model(build_random(FULL_TEXT_CONFIG, seed=0), "cuda")
+    model = random_model("cuda")
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.n_valid, context).astype(np.int32)
     if "prefill" in what:

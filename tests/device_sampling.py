@@ -34,14 +34,15 @@ CONFIGS = {
 }
 
 
-def check_device_selection(core, model, name: str, seed: int, selected=None) -> None:
-    """CONFIGS[name] with `seed` on `model` (a lily._core.Model whose lm_head has VOCAB rows): the device's tokens
-    and logprobs against the host sampler's. selected(), if given, counts the selection kernel's launches so far."""
+def check_device_selection(core, model, name: str, seed: int, selected=None, vocab=VOCAB, n_valid=N_VALID) -> None:
+    """CONFIGS[name] with `seed` on `model` (a lily._core.Model whose lm_head has `vocab` rows, the first `n_valid`
+    of them choosable): the device's tokens and logprobs against the host sampler's. selected(), if given, counts
+    the selection kernel's launches so far."""
     rng = np.random.default_rng(seed)
     params = dict(CONFIGS[name], seed=seed)  # all 64 bits of the draw's seed in play
-    prompt = rng.integers(0, N_VALID, PROMPT_LEN).astype(np.int32)
+    prompt = rng.integers(0, n_valid, PROMPT_LEN).astype(np.int32)
     likely = model.session(max_context=64).prefill(prompt)
-    history = np.argsort(-likely[:N_VALID], kind="stable")[:HISTORY_LEN].astype(np.int32)
+    history = np.argsort(-likely[:n_valid], kind="stable")[:HISTORY_LEN].astype(np.int32)
     print(f"params {params}, prompt {prompt.tolist()}, history {history.tolist()}")
     replay = model.session(max_context=64)
     replay.prefill(history)
@@ -49,7 +50,7 @@ def check_device_selection(core, model, name: str, seed: int, selected=None) -> 
 
     session = model.session(max_context=64)
     session.prefill(history)  # already in the session: they count for the penalties
-    gen = core.Generator(session, core.SamplingParams(**params), [], STEPS, N_VALID)
+    gen = core.Generator(session, core.SamplingParams(**params), [], STEPS, n_valid)
     assert gen.on_device, f"{name}: the backend should select these tokens on the device"
     gen.prefill(prompt)
     before = selected() if selected else 0
@@ -57,7 +58,7 @@ def check_device_selection(core, model, name: str, seed: int, selected=None) -> 
     if selected:
         assert selected() - before >= STEPS - 1, "the sample kernel did not pick the tokens"
 
-    host = lily._core.Sampler(lily._core.SamplingParams(**params), VOCAB, N_VALID)
+    host = lily._core.Sampler(lily._core.SamplingParams(**params), vocab, n_valid)
     host.add_prompt(history.tolist() + prompt.tolist())
     for i, (token, logprob) in enumerate(steps):
         want = host.sample(logits)

@@ -128,15 +128,23 @@ def test_device_sampler_matches_host_rules(tiny_pair):
     assert g.on_device
 
 
-@pytest.fixture(scope="module")
-def sampling_model():
-    """The tiny model with a VOCAB-row lm_head on the CUDA backend."""
-    return lily.Model(build_tiny(text_config={**TINY_TEXT_CONFIG, "vocab_size": VOCAB}), "cuda").core
+# (switches off, vocabulary): the cluster sampler with VOCAB ids over four of its blocks and with three ids a thread
+# over fourteen, and the one-block kernel it replaces.
+SAMPLING_MODELS = {"cluster": ([], VOCAB), "cluster, 3 ids a thread": ([], 40960),
+                   "one block": (["sample_cluster"], VOCAB)}
+
+
+@pytest.fixture(scope="module", params=list(SAMPLING_MODELS))
+def sampling_model(request):
+    """The tiny model with a `vocab`-row lm_head on the CUDA backend, and its vocabulary."""
+    off, vocab = SAMPLING_MODELS[request.param]
+    return lily.Model(build_tiny(text_config={**TINY_TEXT_CONFIG, "vocab_size": vocab}), "cuda", off).core, vocab
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_device_selection_matches_host_sampler(sampling_model, name):
-    check_device_selection(_core, sampling_model, name, secrets.randbits(64))
+    model, vocab = sampling_model
+    check_device_selection(_core, model, name, secrets.randbits(64), vocab=vocab, n_valid=vocab - 96)
 
 
 def test_generation_runs_and_stops(tiny_pair):

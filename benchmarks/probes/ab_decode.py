@@ -10,7 +10,7 @@ import argparse
 import numpy as np
 
 import lily
-from lily.bench import FULL_TEXT_CONFIG, measure
+from lily.bench import FULL_TEXT_CONFIG, measure, random_model
 from lily.tiny import build_random
 
 
@@ -28,7 +28,8 @@ def main() -> None:
     ckpt = build_random(FULL_TEXT_CONFIG, seed=0)
     rng = np.random.default_rng(0)
     for switch in args.switches:
-        models = {"on": lily.Model(ckpt, args.backend, base), "off": lily.Model(ckpt, args.backend, base + [switch])}
+        models = {"on": random_model(args.backend, base, ckpt),
+                  "off": random_model(args.backend, base + [switch], ckpt)}
         for m in models.values():
             m.eos_token_ids = []  # every generation runs its token count
             measure(m, 256, 8, rng)  # warm-up: kernels loaded, scratch grown

@@ -44,13 +44,12 @@ def main() -> None:
 
     import lily
     from lily import _core
-    from lily.bench import FULL_TEXT_CONFIG
-    from lily.tiny import build_random
+    from lily.bench import random_model
 
     if not hasattr(_core.testing, "step_trace_start"):
         raise SystemExit("this build has no step trace: build with -C cmake.define.LILY_STEP_TRACE=ON")
     off = [n for n in args.disable.split(",") if n]
-    model = lily.Model(build_random(FULL_TEXT_CONFIG, seed=0), "cuda", off)
+    model = random_model("cuda", off)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.n_valid, args.context).astype(np.int32)
     s = model.core.session(max_context=args.context + args.steps + 64)

@@ -71,6 +71,10 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::moe_dp4a, "moe_dp4a", "cuda",
        "decode MoE: the gate+up kernel's dot products on dp4a the same way, each block staging m once in shared "
        "memory in 16-bit fixed point, instead of every lane holding its chunks of m as fp32 in registers"},
+      {Opt::sample_cluster, "sample_cluster", "cuda",
+       "decode token selection by a cluster of 16 blocks, each id's logit read once into a register and the blocks' "
+       "maxima, sums, radix histograms and candidate counts met through distributed shared memory, instead of one "
+       "block passing over the logits seven times"},
       {Opt::attn_simdgroup, "attn_simdgroup", "metal",
        "prefill attention with its two products (Q·Kᵀ, P·V) on simdgroup matrices, the keys and values staged as fp32 "
        "tiles, instead of scalar fp32 dot products over the same tiles"},

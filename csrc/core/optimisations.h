@@ -69,6 +69,9 @@ enum class Opt : int {
                      //   GPUs have no integer dot-product instruction (benchmarks/NOTES.md, Metal)
   moe_dp4a,          // CUDA: the decode MoE's gate+up dot products the same way, each block staging m once in shared
                      //   memory as x16, instead of every lane holding its chunks of m as fp32. Not on Metal (as above)
+  sample_cluster,    // CUDA: token selection on a cluster of 16 blocks, every logit read once into registers and the
+                     //   block results met through distributed shared memory, instead of one block passing over the
+                     //   logits seven times. Not on Metal: no thread-block clusters (benchmarks/NOTES.md, Metal)
   attn_simdgroup,    // Metal: prefill attention (from ATTN_SG_MIN_ROWS packed rows per kv head) with Q·Kᵀ and P·V
                      //   on simdgroup matrices (metal/attention.metal attn_sg) instead of scalar fp32 tiles. CUDA's
                      //   prefill attention is on tensor cores already (attention.cu attn_mma_kernel, attn_wgmma)
