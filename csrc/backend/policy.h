@@ -48,7 +48,8 @@ enum class GdnToken { apart, scan_norm, conv_scan_norm };
 
 // The rule of both GPU backends: one token (T = 1) with gdn_prep_fused and gdn_norm_fused on runs the one-token kernel
 // where the backend's kernel holds the shapes (`fits`), with the conv in it when gdn_conv_fused is on and the backend's
-// conv fold takes them (`conv_fits`). The limits are each backend's own (cuda/gdn.cu, metal/gdn.metal).
+// conv fold takes them (`conv_fits`; Metal's alone: CUDA has no conv fold). The limits are each backend's own
+// (cuda/gdn.cu, metal/gdn.metal).
 inline GdnToken gdn_token_path(const GdnArgs& a, const Optimisations& o, bool fits, bool conv_fits) {
   if (a.T != 1 || !o.on(Opt::gdn_prep_fused) || !o.on(Opt::gdn_norm_fused) || !fits) return GdnToken::apart;
   return o.on(Opt::gdn_conv_fused) && conv_fits ? GdnToken::conv_scan_norm : GdnToken::scan_norm;

@@ -53,10 +53,10 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::gdn_norm_fused, "gdn_norm_fused", "cuda,metal",
        "decode: a token's Gated DeltaNet output norm (rms_norm(y)·w·silu(z) per head) done by the one-token scan "
        "kernel, one block / threadgroup per head, instead of a norm kernel after it (only with gdn_prep_fused on)"},
-      {Opt::gdn_conv_fused, "gdn_conv_fused", "cuda,metal",
-       "decode: a token's Gated DeltaNet conv done by the one-token scan kernel too, the value heads of a key head "
-       "sharing its q/k channels' state as a cluster of two blocks (CUDA) or one threadgroup (Metal), instead of a "
-       "conv kernel before it (only with gdn_norm_fused on)"},
+      {Opt::gdn_conv_fused, "gdn_conv_fused", "metal",
+       "decode: a token's Gated DeltaNet conv done by the one-token scan kernel too, one threadgroup per key head "
+       "(its value heads share the q/k channels' state), instead of a conv dispatch before it (only with "
+       "gdn_norm_fused on)"},
       {Opt::route_logits, "route_logits", "cuda,metal",
        "decode MoE (with route_fused): each routed warp / simdgroup picks the top-k on the router logits, which the softmax keeps "
        "in order, by a three-level tree over its lane's candidates, and only the weights take the softmax, instead of "

@@ -56,9 +56,9 @@ enum class Opt : int {
   gdn_norm_fused,    // CUDA, Metal: a decode token's gated RMSNorm (o = rms_norm(y)·w·silu(z) per head) done by the
                      //   one-token scan kernel, one block / threadgroup per head, instead of a norm kernel after it
                      //   (needs gdn_prep_fused)
-  gdn_conv_fused,    // CUDA, Metal: a decode token's causal conv done by the one-token scan kernel too (with
-                     //   gdn_norm_fused), instead of a conv kernel before it; the value heads of a key head share its
-                     //   q/k channels' state: a cluster of two blocks (CUDA), one threadgroup per key head (Metal)
+  gdn_conv_fused,    // Metal: a decode token's causal conv done by the one-token scan kernel too (with
+                     //   gdn_norm_fused), instead of a conv dispatch before it, one threadgroup per key head (the value
+                     //   heads of a key head share its q/k channels' state). CUDA's form measured < 1 %: removed
   route_logits,      // CUDA, Metal: the decode MoE routing inside the gate+up kernel (route_fused) picks the top-k on the
                      //   router logits (softmax is monotonic) by a tree per lane, the softmax only for the picked
                      //   weights, instead of rounds over the probabilities

@@ -68,12 +68,15 @@
 //          state rows (only this layer's own kernel wrote them, a step earlier), the prep its gate weights and the
 //          norm its weights, so that after the wait each reads only what the previous kernel wrote: with route_fused,
 //          decode 519 → 532 tok/s at 4K (the same run's builds; benchmarks/NOTES.md v11).
-//          v7 (current, 2026-12-04) a decode token's layer in one kernel, one switch per step: gdn_scan_token_kernel
+//          v7 (2026-12-04) a decode token's layer in one kernel, one switch per step: gdn_scan_token_kernel
 //          (gdn_prep_fused: the prep in the scan, +3.0 %), one block per head with the gated norm (gdn_norm_fused,
 //          +2.2 %), gdn_conv_token_kernel with the conv too (gdn_conv_fused, +1.7 %): decode 568 → 601 tok/s at 4K
 //          (benchmarks/probes/ab_decode.py; NOTES.md v14). Where v2's fused kernel waited on arrival counters, these
-//          recompute what a block needs (q/k norms, gates) and guard the one shared write (the q/k conv state) by
-//          a cluster barrier.
+//          recompute what a block needs (q/k norms, gates).
+//          v8 (current, 2026-12-05) gdn_conv_token_kernel removed: on v16/v17's step (dp4a GEMVs) it measured
+//          +0.38 / −0.83 % and −0.38 / −0.17 % at 4K / 32K (H100, two sessions' A/Bs), under the 1 % bar. It lives
+//          in git history (commit 70f4a9f); Metal keeps its own form (gdn_conv_token_dk*, one threadgroup per key
+//          head, no cluster).
 #include <algorithm>
 #include <type_traits>
 
@@ -423,9 +426,9 @@ __global__ void __launch_bounds__(kScanThreads) gdn_scan_kernel(const float* qk,
   }
 }
 
-// What the one-token kernels read and write (gdn_scan_token_kernel, gdn_conv_token_kernel).
+// What the one-token kernel reads and writes (gdn_scan_token_kernel).
 struct TokenArgs {
-  const bf16* c;  // conv output [C] (not read by gdn_conv_token_kernel, which computes it)
+  const bf16* c;  // conv output [C]
   const bf16 *b, *alpha;
   const float *A_log, *dt_bias;
   float* state;
@@ -434,24 +437,7 @@ struct TokenArgs {
   const float* nw;
   float eps;
   int NK, NV, DV;
-  const bf16* x;    // CONV: the conv's input row [C], its taps fp32 [C, 4] and state bf16 [3, C]
-  const float* cw;
-  bf16* cst;
-  int C;
 };
-
-constexpr int kTokenConvK = 4;  // the conv window gdn_conv_token_kernel takes (the real model's)
-
-// One channel of a decode token's conv: silu(Σ_k w_k·u_k), u = (state rows 0..2, x), as gdn_conv_kernel sums it,
-// rounded to bf16 as gdn_conv_kernel stores it.
-__device__ __forceinline__ float conv_token(float4 w, const float (&u)[kTokenConvK - 1], float x) {
-  float acc = 0.0f;
-  acc += w.x * u[0];
-  acc += w.y * u[1];
-  acc += w.z * u[2];
-  acc += w.w * x;
-  return __bfloat162float(__float2bfloat16(siluf_(acc)));
-}
 
 // Switch gdn_prep_fused: one token (T = 1, decode) in one kernel. Block (value head h, 32 state rows) as
 // gdn_scan_kernel's, 128 threads ≥ DK: thread i < DK normalises q_i and k_i of key head kh itself (the block's three
@@ -461,19 +447,14 @@ __device__ __forceinline__ float conv_token(float4 w, const float (&u)[kTokenCon
 // NORM (switch gdn_norm_fused): one block per head, kScanThreads per 32 rows (blockDim = 128·⌈DV/32⌉ ≤ 512), and the
 // head's gated norm done here: o = bf16(y) / sqrt(mean(bf16(y)²) + eps) · w · silu(z) (gdn_norm_kernel's arithmetic,
 // the mean by one block sum), written to out instead of y: the gdn_norm kernel and y's round trip fewer.
-// CONV (switch gdn_conv_fused, with NORM): the conv too. Each thread computes the channels it reads (q_i, k_i; v of
-// its rows) from x, the taps and the state rows (gdn_conv_kernel's sum and rounding), so no conv output round trip.
-// The two value heads of a key head both read its q/k channels' state: they run as a cluster of two blocks, each
-// arriving at the cluster barrier once it has read the old state, and the even head writing the new q/k state only
-// after the barrier; the v channels' state is each block's own.
-template <int DK, bool NORM, bool CONV>
-__device__ __forceinline__ void gdn_token(const TokenArgs& p) {
+template <int DK, bool NORM>
+__global__ void __launch_bounds__(NORM ? 4 * kScanThreads : kScanThreads)
+    gdn_scan_token_kernel(const __grid_constant__ TokenArgs p) {
+  pdl_trigger();
   static_assert(DK <= kScanThreads, "one thread per key column");
-  static_assert(NORM || !CONV, "the conv is folded only into the one-block-per-head form");
   constexpr int kM = DK / (4 * kScanLanes);
   constexpr int kWarps = kScanThreads / 32;
   constexpr int kBlockWarps = NORM ? 4 * kWarps : kWarps;
-  constexpr int S3 = kTokenConvK - 1;
   __shared__ __align__(16) float s_qk[2 * DK];  // q̂ then k̂
   __shared__ float s_red[kWarps][3];
   __shared__ float s_ss[kBlockWarps];
@@ -481,14 +462,12 @@ __device__ __forceinline__ void gdn_token(const TokenArgs& p) {
   const int tid = threadIdx.x, sub = tid / kScanThreads, st = tid % kScanThreads;
   const int h = blockIdx.x, kh = h / (NV / NK), r0 = (NORM ? sub : int(blockIdx.y)) * kScanRows;
   const int lr = st / kScanLanes, s = st % kScanLanes, lane = tid & 31, warp = tid >> 5;
-  const int ch_q = kh * DK + tid, ch_k = (NK + kh) * DK + tid, ch_v = 2 * NK * DK + h * DV;  // conv channels
+  const int ch_q = kh * DK + tid, ch_k = (NK + kh) * DK + tid, ch_v = 2 * NK * DK + h * DV;  // c's channels
 
-  // The state and the head's gate (and norm, conv) weights before the PDL wait (only this layer's kernels of an
-  // earlier step wrote the two states).
+  // The state and the head's gate (and norm) weights before the PDL wait (only this layer's kernel of an earlier
+  // step wrote the state).
   float4 S[kScanRpt][kM];
   float wn[kScanRpt];
-  float4 cwq, cwk, cwv[kScanRpt];  // CONV: the taps of q_i, k_i and of the thread's v rows
-  float uq[S3], uk[S3], uv[kScanRpt][S3];  // CONV: their state rows
 #pragma unroll
   for (int j = 0; j < kScanRpt; ++j) {
     const int row = r0 + lr + kScanRowStride * j;
@@ -496,47 +475,20 @@ __device__ __forceinline__ void gdn_token(const TokenArgs& p) {
 #pragma unroll
     for (int m = 0; m < kM; ++m) S[j][m] = row < DV ? src[kScanLanes * m] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     wn[j] = NORM && row < DV ? p.nw[row] : 0.0f;
-    if constexpr (CONV) {
-      const int ch = ch_v + min(row, DV - 1);
-      cwv[j] = reinterpret_cast<const float4*>(p.cw)[ch];
-#pragma unroll
-      for (int r = 0; r < S3; ++r) uv[j][r] = to_f(p.cst[size_t(r) * p.C + ch]);
-    }
-  }
-  if constexpr (CONV) {
-    const int tq = min(tid, DK - 1);
-    cwq = reinterpret_cast<const float4*>(p.cw)[ch_q - tid + tq];
-    cwk = reinterpret_cast<const float4*>(p.cw)[ch_k - tid + tq];
-#pragma unroll
-    for (int r = 0; r < S3; ++r) {
-      uq[r] = to_f(p.cst[size_t(r) * p.C + ch_q - tid + tq]);
-      uk[r] = to_f(p.cst[size_t(r) * p.C + ch_k - tid + tq]);
-    }
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");  // this block has read the old state
   }
   const float a_log = p.A_log[h], dtb = p.dt_bias[h];
   pdl_wait();
 
-  float qi = 0.0f, ki = 0.0f, xq = 0.0f, xk = 0.0f;
-  float v[kScanRpt], zr[kScanRpt], xv[kScanRpt];
-  if constexpr (CONV) {
-    const int tq = min(tid, DK - 1);
-    xq = to_f(p.x[ch_q - tid + tq]);
-    xk = to_f(p.x[ch_k - tid + tq]);
-#pragma unroll
-    for (int j = 0; j < kScanRpt; ++j) xv[j] = to_f(p.x[ch_v + min(r0 + lr + kScanRowStride * j, DV - 1)]);
-    if (tid < DK) qi = conv_token(cwq, uq, xq), ki = conv_token(cwk, uk, xk);
-  } else if (tid < DK) {
+  float qi = 0.0f, ki = 0.0f;
+  float v[kScanRpt], zr[kScanRpt];
+  if (tid < DK) {
     qi = to_f(p.c[ch_q]);
     ki = to_f(p.c[ch_k]);
   }
 #pragma unroll
   for (int j = 0; j < kScanRpt; ++j) {
     const int row = r0 + lr + kScanRowStride * j;
-    if constexpr (CONV)
-      v[j] = row < DV ? conv_token(cwv[j], uv[j], xv[j]) : 0.0f;
-    else
-      v[j] = row < DV ? to_f(p.c[ch_v + row]) : 0.0f;
+    v[j] = row < DV ? to_f(p.c[ch_v + row]) : 0.0f;
     zr[j] = NORM && row < DV ? to_f(p.z[size_t(h) * DV + row]) : 0.0f;
   }
   const float bh = to_f(p.b[h]), ah = to_f(p.alpha[h]);
@@ -570,11 +522,6 @@ __device__ __forceinline__ void gdn_token(const TokenArgs& p) {
       float4* dst = reinterpret_cast<float4*>(p.state + (size_t(h) * DV + row) * DK) + s;
 #pragma unroll
       for (int m = 0; m < kM; ++m) dst[kScanLanes * m] = S[j][m];
-      if (CONV && s == 0) {  // the v channel's new state rows: old rows 1, 2 and x (this block's alone)
-#pragma unroll
-        for (int r = 0; r < S3; ++r)
-          p.cst[size_t(r) * p.C + ch_v + row] = __float2bfloat16(r + 1 < S3 ? uv[j][r + 1] : xv[j]);
-      }
     }
   }
   if constexpr (NORM) {
@@ -596,30 +543,6 @@ __device__ __forceinline__ void gdn_token(const TokenArgs& p) {
       if (s == 0 && row < DV) p.y[size_t(h) * DV + row] = __float2bfloat16(out[j] * rs * wn[j] * siluf_(zr[j]));
     }
   }
-  if constexpr (CONV) {  // the q/k channels' new state, once both heads of the pair have read the old one
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-    if (h % 2 == 0 && tid < DK) {
-#pragma unroll
-      for (int r = 0; r < S3; ++r) {
-        p.cst[size_t(r) * p.C + ch_q] = __float2bfloat16(r + 1 < S3 ? uq[r + 1] : xq);
-        p.cst[size_t(r) * p.C + ch_k] = __float2bfloat16(r + 1 < S3 ? uk[r + 1] : xk);
-      }
-    }
-  }
-}
-
-template <int DK, bool NORM>
-__global__ void __launch_bounds__(NORM ? 4 * kScanThreads : kScanThreads)
-    gdn_scan_token_kernel(const __grid_constant__ TokenArgs p) {
-  pdl_trigger();
-  gdn_token<DK, NORM, false>(p);
-}
-
-template <int DK>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(4 * kScanThreads)
-    gdn_conv_token_kernel(const __grid_constant__ TokenArgs p) {
-  pdl_trigger();
-  gdn_token<DK, true, true>(p);
 }
 
 // One warp per (token, value head) row of DV values: o = y / sqrt(mean(y²) + eps) · w · silu(z).
@@ -1229,7 +1152,7 @@ TokenArgs token_args(const GdnArgs& a, const bf16* c, const bf16* b, const bf16*
                      const float* dt_bias, float* state, bf16* y) {
   TokenArgs p{};
   p.c = c, p.b = b, p.alpha = alpha, p.A_log = A_log, p.dt_bias = dt_bias, p.state = state, p.y = y;
-  p.eps = a.eps, p.NK = a.NK, p.NV = a.NV, p.DV = a.DV, p.C = conv_dim(a);
+  p.eps = a.eps, p.NK = a.NK, p.NV = a.NV, p.DV = a.DV;
   return p;
 }
 
@@ -1314,10 +1237,8 @@ void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf
 bool gdn_conv_scan_norm(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* conv_w, bf16* conv_state,
                         bf16* conv_out, const bf16* b, const bf16* alpha, const float* A_log, const float* dt_bias,
                         float* state, const bf16* z, const float* w, bf16* out) {
-  // One block per head holds DV ≤ 128 rows; the conv fold takes the real model's window with two value heads per key
-  // head (a cluster of two blocks) and 16-byte aligned taps.
-  const GdnToken path = gdn_token_path(a, ctx.opts, a.DV <= 4 * kScanRows,
-                                       a.conv_kernel == kTokenConvK && a.NV == 2 * a.NK && aligned(conv_w, 16));
+  // One block per head holds DV ≤ 128 rows; the conv stays a kernel of its own (no conv fold on CUDA).
+  const GdnToken path = gdn_token_path(a, ctx.opts, a.DV <= 4 * kScanRows, false);
   if (path == GdnToken::apart) return false;
   check_gdn_heads(a, "gdn_conv_scan_norm");
   LILY_CHECK(a.DV % 8 == 0, "gdn_conv_scan_norm: DV = ", a.DV, " must be a multiple of 8");
@@ -1325,19 +1246,11 @@ bool gdn_conv_scan_norm(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* 
   LILY_CHECK(z && w && out, "gdn_conv_scan_norm: null z, w or out");
   TokenArgs p = token_args(a, conv_out, b, alpha, A_log, dt_bias, state, out);
   p.z = z, p.nw = w;
-  const bool conv = path == GdnToken::conv_scan_norm;  // else the conv kernel first
-  if (conv) {
-    p.c = nullptr, p.x = x, p.cw = conv_w, p.cst = conv_state;
-  } else {
-    gdn_conv(ctx, a, x, conv_w, conv_state, conv_out);
-  }
+  gdn_conv(ctx, a, x, conv_w, conv_state, conv_out);
   const unsigned threads = unsigned(cdiv(a.DV, kScanRows) * kScanThreads);
   dispatch_dk(a.DK, [&](auto dk) {
     constexpr int DK = decltype(dk)::value;
-    if (conv)
-      launch(ctx, gdn_conv_token_kernel<DK>, unsigned(a.NV), threads, 0, p);
-    else
-      launch(ctx, gdn_scan_token_kernel<DK, true>, unsigned(a.NV), threads, 0, p);
+    launch(ctx, gdn_scan_token_kernel<DK, true>, unsigned(a.NV), threads, 0, p);
   });
   check_launch("gdn_conv_scan_norm");
   return true;

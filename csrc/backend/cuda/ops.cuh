@@ -43,9 +43,9 @@ void attention(Ctx& ctx, const AttnArgs& a, const bf16* qg, const bf16* k, const
 void gdn_conv(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* w, bf16* conv_state, bf16* out);
 void gdn_scan(Ctx& ctx, const GdnArgs& a, const bf16* c, const bf16* b, const bf16* alpha, const float* A_log,
               const float* dt_bias, float* state, bf16* y);
-// A decode token's conv, scan and gated norm (switches gdn_prep_fused and gdn_norm_fused, DV ≤ 128: the scan and the
-// norm in one kernel; gdn_conv_fused: the conv in it too, where K = 4 and NV = 2·NK); false (nothing launched) where
-// it does not apply, and the caller runs gdn_conv, gdn_scan and gdn_norm. conv_out is scratch.
+// A decode token's conv, scan and gated norm (switches gdn_prep_fused and gdn_norm_fused, DV ≤ 128: the conv kernel,
+// then the scan and the norm in one kernel); false (nothing launched) where it does not apply, and the caller runs
+// gdn_conv, gdn_scan and gdn_norm. conv_out is the conv's output.
 bool gdn_conv_scan_norm(Ctx& ctx, const GdnArgs& a, const bf16* x, const float* conv_w, bf16* conv_state,
                         bf16* conv_out, const bf16* b, const bf16* alpha, const float* A_log, const float* dt_bias,
                         float* state, const bf16* z, const float* w, bf16* out);
