@@ -17,6 +17,7 @@ enum Slot : int {
   kSlotMoeLogits, kSlotMoeRoute, kSlotMoeSort, kSlotMoeHidden, kSlotMoeOut, kSlotMoeShared,
   kSlotAttnQ, kSlotAttnPartial,
   kSlotGdn, kSlotGdnChunk,
+  kSlotSample,
   kNumSlots
 };
 
@@ -98,6 +99,17 @@ enum GdnChunkPart : int { kChunkW1, kChunkW2, kChunkP, kChunkLam };
 inline Parts<4> gdn_chunk_parts(const GdnArgs& a) {
   const size_t rows = size_t(a.NV) * gdn_chunks(a.T) * kGdnChunk;
   return Parts<4>({rows * a.DV * 4, rows * a.DK * 4, rows * kGdnChunk * 4, rows * 4});
+}
+
+// ---- token selection (metal/sample.metal, switch sample_split) ----------------------------------------------------
+
+// kSlotSample: what Metal's sample_part hands sample_merge for each of `parts` slices of the vocabulary: its partial
+// (`partial` bytes: maxima, sum, argmax, candidate count), then room for `cand` candidates a slice: ids
+// i32[parts, cand] and their processed logits f32[parts, cand]. Part indices:
+enum SamplePart : int { kSampleParts, kSampleCandIds, kSampleCandX };
+inline Parts<3> sample_parts(int parts, size_t partial, int cand) {
+  const size_t per = size_t(parts) * cand * 4;
+  return Parts<3>({size_t(parts) * partial, per, per});
 }
 
 }  // namespace lily

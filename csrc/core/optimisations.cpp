@@ -81,6 +81,10 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::attn_decode_tile, "attn_decode_tile", "metal",
        "decode attention (at most 8 packed query rows per kv head) on a tile of 8 rows and 16 keys instead of the "
        "prefill tile of 16 or 32 rows, so that no thread works for rows past the token's query heads"},
+      {Opt::sample_split, "sample_split", "metal",
+       "decode token selection in two dispatches: threadgroups each reading a slice of 4096 logits once (maxima, "
+       "Σexp, argmax and the slice's own top-k candidates), then one threadgroup selecting among their union, "
+       "instead of one threadgroup passing over the logits seven times"},
   };
   return table;
 }

@@ -71,7 +71,7 @@ enum class Opt : int {
                      //   memory as x16, instead of every lane holding its chunks of m as fp32. Not on Metal (as above)
   sample_cluster,    // CUDA: token selection on a cluster of 16 blocks, every logit read once into registers and the
                      //   block results met through distributed shared memory, instead of one block passing over the
-                     //   logits seven times. Not on Metal: no thread-block clusters (benchmarks/NOTES.md, Metal)
+                     //   logits seven times. Not on Metal (no thread-block clusters): sample_split there
   attn_simdgroup,    // Metal: prefill attention (from ATTN_SG_MIN_ROWS packed rows per kv head) with Q·Kᵀ and P·V
                      //   on simdgroup matrices (metal/attention.metal attn_sg) instead of scalar fp32 tiles. CUDA's
                      //   prefill attention is on tensor cores already (attention.cu attn_mma_kernel, attn_wgmma)
@@ -79,6 +79,10 @@ enum class Opt : int {
                      //   and 16 keys instead of the prefill tile of 16 or 32 rows, whose rows past the token's G
                      //   query heads are scored and accumulated for nothing. CUDA's decode packs the G rows into
                      //   tensor-core tiles (attention.cu)
+  sample_split,      // Metal: decode token selection in two dispatches, sample_part's threadgroups each reading a slice
+                     //   of 4096 logits once (maxima, Σexp, argmax, the slice's own top-k candidates) and sample_merge
+                     //   selecting among their union, instead of one threadgroup passing over the logits seven
+                     //   times. CUDA's answer is sample_cluster (one dispatch: a cluster meets through DSMEM)
   kCount
 };
 

@@ -4,7 +4,9 @@
 //
 // Inputs are float32 arrays for activations (converted to the backend's activation type on upload: bf16 on
 // GPUs), float32 for fp32 tensors, uint32/uint16 for quantized triplets (`<name>.w`, `<name>.scales`,
-// `<name>.biases`) and int32 for token ids. Outputs come back as float32 arrays.
+// `<name>.biases`) and int32 for token ids. Outputs come back as float32 arrays. The op "sample" (a device token
+// selection, Backend::sample; tests/metal/test_metal_sample.py) takes the DeviceSampler state as int32 counts, uint8
+// seen and uint64 step, and returns it with the results slots as float32 words holding their bytes.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -69,6 +71,7 @@ class Runner {
 
   int i(const char* k) const { return nb::cast<int>(params_[k]); }
   float f(const char* k) const { return nb::cast<float>(params_[k]); }
+  uint64_t u64(const char* k) const { return nb::cast<uint64_t>(params_[k]); }
   bool flag(const char* k) const { return params_.contains(k) && nb::cast<bool>(params_[k]); }
 
   Array input(const std::string& k) const {
@@ -91,6 +94,16 @@ class Runner {
     return upload(a.data(), a.nbytes());
   }
   void* raw_value(int32_t v) { return upload(&v, sizeof v); }
+  // An input of any dtype that the op updates in place: it comes back as float32 words holding its bytes (view them
+  // as the input's dtype; the last word is padded).
+  void* raw_inout(const std::string& k) {
+    Array a = input(k);
+    const size_t words = (a.nbytes() + 3) / 4;
+    void* p = alloc(words * 4);
+    be_.to_device(p, a.data(), a.nbytes());
+    outs_[k] = {p, words, true};
+    return p;
+  }
   // Working memory of n bytes the op may use (not returned).
   void* scratch(size_t n) { return alloc(n); }
   QMatrix q(const std::string& k, int E) {
@@ -239,6 +252,24 @@ std::function<void()> prepare(Backend& be, Runner& r, const std::string& op) {
     void *kc = r.act("k_cache"), *vc = r.act("v_cache");
     void* out = r.out("out", size_t(a.T) * a.NH * a.HD, false);
     return [&be, a, qg, k, v, qn, kn, kc, vc, out] { be.attention(a, qg, k, v, qn, kn, kc, vc, out); };
+  }
+  if (op == "sample") {  // one device token selection (Backend::sample) at step `step`, without a session position
+    SamplingParams p;
+    p.temperature = r.f("temperature"), p.top_k = r.i("top_k"), p.top_p = r.f("top_p"), p.min_p = r.f("min_p");
+    p.repetition_penalty = r.f("repetition_penalty"), p.presence_penalty = r.f("presence_penalty");
+    p.frequency_penalty = r.f("frequency_penalty");
+    p.seed = r.u64("seed");
+    const int n_valid = r.i("n_valid");
+    LILY_CHECK(be.can_sample(p, n_valid), "run_op sample: the ", be.name(), " backend cannot select with these "
+               "parameters on the device");
+    const float* logits = r.f32("logits");
+    DeviceSampler st;  // counts i32[n_valid], seen u8[n_valid], step u64[1] in and out; results i32[kResultSlots, 2]
+    st.counts = static_cast<int32_t*>(r.raw_inout("counts"));
+    st.seen = static_cast<uint8_t*>(r.raw_inout("seen"));
+    st.step = static_cast<uint64_t*>(r.raw_inout("step"));
+    st.token = static_cast<int32_t*>(r.out("token", 1, true));
+    st.results = static_cast<int32_t*>(r.out("results", 2 * kResultSlots, true));
+    return [&be, p, n_valid, logits, st] { be.sample(p, n_valid, logits, st); };
   }
   GdnArgs g{r.i("T"), 0, 0, 0, 0, 4, 0.0f};
   auto gdn_dims = [&] {

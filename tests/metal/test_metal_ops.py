@@ -19,7 +19,8 @@ from ops.cases import check, make
 CASES = [c for c in ALL_CASES if "gpu" not in c.tags]
 
 # Kernels that the op table does not reach, and the test that runs them instead.
-ELSEWHERE = {"sample": "tests/metal/test_metal_sample.py (token selection in the decode loop)"}
+ELSEWHERE = {k: "tests/metal/test_metal_sample.py (token selection in the decode loop and directly)"
+             for k in ("sample", "sample_part", "sample_merge")}
 DISPATCHED: set[str] = set()  # kernels the op cases of this session dispatched
 PASSED: set[str] = set()      # the cases that passed in this session (in some order), "<id>" or "<id>/off"
 KERNELS_ON: dict[str, set[str]] = {}  # case id: the kernels its run with every switch on dispatched

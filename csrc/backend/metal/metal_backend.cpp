@@ -99,7 +99,7 @@ class MetalBackend final : public Backend {
   }
   bool can_sample(const SamplingParams& p, int n_valid) const override { return device_can_sample(p, n_valid); }
   void sample(const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st) override {
-    metal::sample(enc(), p, n_valid, logits, st);
+    metal::sample(enc(), optimisations(), p, n_valid, logits, st);
   }
   // Unified memory: the result is read in place once the command buffer holding its step is done.
   void fetch_result(const int32_t* results, int slot) override {

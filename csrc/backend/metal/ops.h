@@ -52,7 +52,8 @@ void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWei
          uint16_t* out);
 
 // sample.cpp (metal/sample.metal): core/sample.h's rules on the device, as cuda::sample, for the parameters that
-// backend/policy.h: device_can_sample accepts.
-void sample(Encoder& enc, const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st);
+// backend/policy.h: device_can_sample accepts; in two dispatches with the switch sample_split, else one threadgroup.
+void sample(Encoder& enc, const Optimisations& opts, const SamplingParams& p, int n_valid, const float* logits,
+            const DeviceSampler& st);
 
 }  // namespace lily::metal
