@@ -49,7 +49,7 @@
 //          the top-k boundary beyond SAMPLE_MAX_CAND keep the lowest ids (the host keeps all), in both forms.
 //          sample_split takes n ≤ SAMPLE_SLICE·SAMPLE_MAX_PARTS (4,194,304); above, `sample` runs.
 // Ref      core/sample.cpp · Test tests/metal/test_metal_sample.py · Launcher csrc/backend/metal/sample.cpp
-// History  v1 one threadgroup · v2 (2026-12-06) sample_split: two dispatches, the logits read once over G
+// History  v1 one threadgroup · v2 (2026-12-05) sample_split: two dispatches, the logits read once over G
 //          threadgroups (unmeasured: no Mac); the radix pick by one simdgroup instead of a loop in thread 0.
 #include "common.h"
 #include "sample_args.h"
