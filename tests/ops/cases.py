@@ -167,7 +167,11 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
         if d.get("skewed"):  # every token picks the same experts: whole-T groups (1, 2, 127 rows per expert)
             m = np.abs(m)
             s = np.zeros((E, H // 64), np.float32)
-            b = np.linspace(0.02, 0.0, E, dtype=np.float32)[:, None] * np.ones((1, H // 64), np.float32)
+            # tied: router rows equal by level, so their logits are bit for bit equal (an expert e sits in lane
+            # e mod 32 of a CUDA warp's pick): "lanes" ties e with e + 32 (one lane), "pairs" ties 2l, 2l + 1 and
+            # their + 32 (two lanes and within each). The lower id goes first.
+            level = {"lanes": np.arange(E) % 32, "pairs": np.arange(E) % 32 // 2}.get(d.get("tied"), np.arange(E))
+            b = (0.02 * (1.0 - level / (level.max() + 1.0))).astype(np.float32)[:, None] * np.ones((1, H // 64))
             x["router.scales"], x["router.biases"] = float32_to_bf16(s), float32_to_bf16(b)
         else:
             router = dequantize(x["router.w"], x["router.scales"], x["router.biases"], gb, 64)
@@ -416,6 +420,9 @@ CASES = [
     Case("moe", dict(T=127, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
     Case("moe", dict(T=300, H=256, E=12, top_k=3, I=128, IS=64), tags=("edge",)),
     *[Case("moe", dict(T=t, H=128, E=8, top_k=2, I=64, IS=64, skewed=True), tags=("edge",)) for t in (1, 2, 127)],
+    # exact ties between the router's logits, across a CUDA warp's lanes and within one: the lower id goes first
+    *[Case("moe", dict(T=1, H=128, E=64, top_k=8, I=64, IS=64, skewed=True, tied=t), tags=("edge",))
+      for t in ("lanes", "pairs")],
     # the MoE half of a layer with its residual (decode: the norm in the router, the residual in the down kernel)
     Case("moe_residual", dict(T=1, **_moe_real), tags=("model", "slow")),
     Case("moe_residual", dict(T=1, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
