@@ -57,6 +57,20 @@ def test_route_logits_picks_as_the_probabilities(case):
         np.testing.assert_array_equal(v, off[name], err_msg=f"{case.id}/{name}")
 
 
+# Switch route_sorted: the routed warps' picks by one sorted list per lane, and the slots' blocks in descending order,
+# give the rounds' experts and output bit for bit, ties included (the "tied" cases: the lower id first, whether the tie
+# lies across lanes, where the sorted picks hand back to the rounds, or within one lane).
+@pytest.mark.skipif(CUDA is None or not CUDA.usable,
+                    reason=f"the CUDA backend cannot run here: {CUDA.reason if CUDA else 'not compiled in'}")
+@pytest.mark.parametrize("case", ROUTED, ids=lambda c: c.id)
+def test_route_sorted_picks_as_the_rounds(case):
+    params, inputs = make(case, np.random.default_rng())
+    on = _core.testing.run_op("cuda", case.op, {**params, "disable": ""}, inputs)
+    off = _core.testing.run_op("cuda", case.op, {**params, "disable": "route_sorted"}, inputs)
+    for name, v in on.items():
+        np.testing.assert_array_equal(v, off[name], err_msg=f"{case.id}/{name}")
+
+
 # The switches qmv_dp4a and moe_dp4a stage x in 16-bit fixed point per 16-byte code chunk (csrc/backend/cuda/x16.cuh):
 # exact for every element within 2^7 of its chunk's largest, the rest off by ≤ 2^-15 of it, and integer sums. Their
 # results must agree with the fp32 path's far closer than the op test's bf16 tolerance: ≤ 5e-4 relative, fp32 outputs
