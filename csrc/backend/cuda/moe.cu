@@ -71,7 +71,7 @@
 //          v6 (current, 2026-12-05) route_sorted: the picks by a sorted list per lane and the routed slots descending,
 //          decode +2.2 / +2.8 % at 4K, +1.7 % at 32K (H100, two pairs of models); each half alone measured under 1 %.
 //          Tried and removed: the gate+up kernel at 96 registers, five blocks an SM so that its 576 blocks fit one
-//          wave (moe_gu_one_wave): −2.6 % (20 bytes of spills, and the wave arithmetic is not the kernel's end).
+//          wave (moe_gu_one_wave): −2.6 % (20 bytes of spills; session 31's same idea, gu_occupancy, −4.1 %).
 #include <algorithm>
 
 #include "backend/checks.h"
@@ -135,7 +135,7 @@ struct DecodeArgs {
   int seg_bits, E;
   bool norm_topk;
   bool pick_logits;  // switch route_logits: pick_expert / pick_route instead of route_warp
-  bool route_sorted;  // switch route_sorted (with pick_logits): pick_expert_sorted in the routed warps, slots descending
+  bool route_sorted;  // switch route_sorted (with pick_logits): pick_expert_sorted, the routed slots descending
 };
 
 // ---- device helpers -----------------------------------------------------------------------------------------------
@@ -324,8 +324,8 @@ __device__ __forceinline__ int pick_expert(const float (&p)[kMaxExperts / 32], i
 // Switch route_sorted (with route_logits): pick_expert's answer with one redux.sync a round instead of two and no tree.
 // Each lane sorts its 8 candidates once, descending by (key, lower index first: v = key·8 + 7 − i), by a 19-exchange
 // network of depth 6. A round's maximum is then every lane's head: the warp's largest key by redux.sync, and each lane
-// whose head holds it pops it. A round where one lane pops is a pick_round round: no other lane holds that key (its head
-// would), and the lane's head is its lowest index among equal keys. The last round breaks ties as pick_round does
+// whose head holds it pops it. A round where one lane pops is a pick_round round: no other lane holds that key (its
+// head would), and the lane's head is its lowest index among equal keys. The last round breaks ties as pick_round does
 // (the lowest id by a second redux.sync); a tie in an earlier round pops more than one lane, which the count of pops
 // finds, and then pick_expert runs instead.
 __device__ __forceinline__ int pick_expert_sorted(const float (&p)[kMaxExperts / 32], int rounds) {
