@@ -4,7 +4,8 @@ checkpoint (full geometry, random 4-bit weights), the switch off in one, generat
 order), the median decode rate of each at each context length. `--off` names a set of switches turned off in both.
 A SWITCH argument may join several with "+": they go off together in the "off" model. Each argument builds its own
 pair of models, so naming one twice measures a second pair (two instances of one build differ by up to ~1 % on an
-H100: a prefill-only switch, an A/A pair, measured −0.85 … +0.39 % at 4K).
+H100: a prefill-only switch, an A/A pair, measured −0.85 … +0.39 % at 4K). Both models share one build, so "off" is
+the new build's off position: before a merge, ab_builds.py checks the build against the one without the change.
 
     python benchmarks/probes/ab_decode.py SWITCH[+SWITCH ...] [...] [--backend cuda] [--lengths 4096,32768] [--runs 6]
 """

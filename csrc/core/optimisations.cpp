@@ -61,11 +61,6 @@ const std::vector<OptInfo>& optimisation_table() {
        "decode MoE (with route_fused): each routed warp / simdgroup picks the top-k on the router logits, which the softmax keeps "
        "in order, by a three-level tree over its lane's candidates, and only the weights take the softmax, instead of "
        "the softmax of every logit before rounds that scan each lane's candidates in a chain"},
-      {Opt::route_sorted, "route_sorted", "cuda",
-       "decode MoE (with route_logits): each routed warp sorts its lanes' 8 candidate logits once and picks with one "
-       "redux.sync a round (an exact tie before the last pick, found by a count, runs the rounds instead), and the "
-       "gate+up kernel's routed slots run in descending order, so the blocks past its first wave are slot 0's "
-       "(a one-round pick); instead of a tree and two redux.sync every round, slots ascending"},
       {Opt::attn_short_splits, "attn_short_splits", "cuda",
        "decode attention: key splits of at least 64 keys instead of 256, so that a short context fills the SMs (at "
        "4K, 66 splits instead of 17)"},

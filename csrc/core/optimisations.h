@@ -62,11 +62,6 @@ enum class Opt : int {
   route_logits,      // CUDA, Metal: the decode MoE routing inside the gate+up kernel (route_fused) picks the top-k on the
                      //   router logits (softmax is monotonic) by a tree per lane, the softmax only for the picked
                      //   weights, instead of rounds over the probabilities
-  route_sorted,      // CUDA (with route_logits): each routed warp of the decode gate+up kernel sorts its lanes' 8
-                     //   logits once and picks with one redux.sync a round (an earlier exact tie, found by a count
-                     //   of pops, runs the rounds instead), and the routed slots' blocks run in descending order
-                     //   (the longest picks in the first wave, slot 0's one-round pick past it); instead of a tree
-                     //   and two redux.sync every round, slots ascending
   attn_short_splits, // CUDA: decode attention's key splits at least kMinDecodeSplitKeys (64) keys long instead of 256,
                      //   so that a short context fills the SMs (4K: 66 splits of 64 keys instead of 17 of 256)
   qmv_dp4a,          // CUDA: the streaming decode GEMV's dot products as integer dp4a on x staged in 16-bit fixed

@@ -63,15 +63,16 @@
 //          before the PDL wait once a counter released by the routing warp says the ids are out (+0.7 %); gate+up and
 //          down as one kernel, down tiles handed out by a counter after the gate+up tiles (37.0 µs standalone against
 //          25.1 µs for the two kernels, decode −19.7 %).
-//          v5 (2026-12-04) route_logits: decode +3.5 % / +3.3 % at 4K / 32K. A routed warp's top-k took ~1.9 µs
-//          before its first code load (one warp, clock64: logits 450 cycles, softmax 1,535, eight rounds 1,725); the
-//          picks need no softmax and take 1,417 cycles for eight rounds. Tried and removed (benchmarks/NOTES.md v15):
+//          v5 (current, 2026-12-04) route_logits: decode +3.5 % / +3.3 % at 4K / 32K. A routed warp's top-k took
+//          ~1.9 µs before its first code load (one warp, clock64: logits 450 cycles, softmax 1,535, eight rounds
+//          1,725); the picks need no softmax and take 1,417 cycles for eight rounds. Tried and removed (NOTES.md v15):
 //          the whole MoE of a token in one kernel of 18 clusters of 8 blocks (moe_cluster, weights bulk-copied into
 //          shared memory, h through distributed shared memory, a last-arrival sum): decode −17 %.
-//          v6 (current, 2026-12-05) route_sorted: the picks by a sorted list per lane and the routed slots descending,
-//          decode +2.2 / +2.8 % at 4K, +1.7 % at 32K (H100, two pairs of models); each half alone measured under 1 %.
-//          Tried and removed: the gate+up kernel at 96 registers, five blocks an SM so that its 576 blocks fit one
-//          wave (moe_gu_one_wave): −2.6 % (20 bytes of spills; session 31's same idea, gu_occupancy, −4.1 %).
+//          Tried and removed (2026-12-05/06, benchmarks/NOTES.md sessions 40-41, H100): route_sorted (the picks by
+//          a sorted list per lane, the routed slots descending): +2.6 % against its own build with the switch off, but
+//          that build decoded 3.3 % slower at 4K than this file's without the switch; the gate+up kernel at five
+//          blocks an SM so that its 576 blocks fit one wave (moe_gu_one_wave): −2.6 %; the shared expert's blocks
+//          taking four tiles each in turn so that the kernel fits one wave (moe_shared_wide): −6 to −7 %.
 #include <algorithm>
 
 #include "backend/checks.h"
@@ -135,7 +136,6 @@ struct DecodeArgs {
   int seg_bits, E;
   bool norm_topk;
   bool pick_logits;  // switch route_logits: pick_expert / pick_route instead of route_warp
-  bool route_sorted;  // switch route_sorted (with pick_logits): pick_expert_sorted, the routed slots descending
 };
 
 // ---- device helpers -----------------------------------------------------------------------------------------------
@@ -318,41 +318,6 @@ __device__ __forceinline__ int pick_expert(const float (&p)[kMaxExperts / 32], i
   for (int i = 0; i < kMaxExperts / 32; ++i) u[i] = float_key(p[i]);
   int id = 0;
   for (int j = 0; j < rounds; ++j) id = pick_round(u, best);
-  return id;
-}
-
-// Switch route_sorted (with route_logits): pick_expert's answer with one redux.sync a round instead of two and no tree.
-// Each lane sorts its 8 candidates once, descending by (key, lower index first: v = key·8 + 7 − i), by a 19-exchange
-// network of depth 6. A round's maximum is then every lane's head: the warp's largest key by redux.sync, and each lane
-// whose head holds it pops it. A round where one lane pops is a pick_round round: no other lane holds that key (its
-// head would), and the lane's head is its lowest index among equal keys. The last round breaks ties as pick_round does
-// (the lowest id by a second redux.sync); a tie in an earlier round pops more than one lane, which the count of pops
-// finds, and then pick_expert runs instead.
-__device__ __forceinline__ int pick_expert_sorted(const float (&p)[kMaxExperts / 32], int rounds) {
-  static_assert(kMaxExperts / 32 == 8, "pick_expert_sorted: a sorting network over 8 candidates per lane");
-  const int lane = threadIdx.x & 31;
-  unsigned long long v[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = (static_cast<unsigned long long>(float_key(p[i])) << 3) | unsigned(7 - i);
-  constexpr int kNet[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6}, {3, 7}, {0, 1}, {2, 3},
-                               {4, 5}, {6, 7}, {2, 4}, {3, 5}, {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
-#pragma unroll
-  for (int c = 0; c < 19; ++c) {
-    const unsigned long long x = v[kNet[c][0]], y = v[kNet[c][1]];
-    v[kNet[c][0]] = x > y ? x : y;
-    v[kNet[c][1]] = x > y ? y : x;
-  }
-  unsigned pops = 0;  // this lane's pops before the last round
-  for (int r = 0; r + 1 < rounds; ++r) {
-    const bool win = unsigned(v[0] >> 3) == __reduce_max_sync(0xffffffffu, unsigned(v[0] >> 3));
-    pops += win;
-#pragma unroll
-    for (int i = 0; i < 7; ++i) v[i] = win ? v[i + 1] : v[i];
-    v[7] = win ? 0ull : v[7];  // key 0: below every logit's (float_key(-inf) = 0x007fffff)
-  }
-  const unsigned head = unsigned(v[0] >> 3), best = __reduce_max_sync(0xffffffffu, head);
-  const int id = __reduce_min_sync(0xffffffffu, head == best ? lane + 32 * (7 - int(v[0] & 7)) : 0x7fffffff);
-  if (rounds > 1 && __reduce_add_sync(0xffffffffu, pops) != unsigned(rounds - 1)) return pick_expert(p, rounds);
   return id;
 }
 
@@ -640,7 +605,7 @@ __global__ void __launch_bounds__(kCombineThreads)
 __device__ __forceinline__ int routed_expert(const DecodeArgs& a, int t, int j) {
   float p[kMaxExperts / 32];
   load_logits(a.logits + size_t(t) * a.E, a.E, p);
-  if (a.pick_logits) return a.route_sorted ? pick_expert_sorted(p, j + 1) : pick_expert(p, j + 1);
+  if (a.pick_logits) return pick_expert(p, j + 1);
   return route_warp<true>(p, a.E, a.k, false, nullptr, nullptr, j + 1);
 }
 
@@ -658,11 +623,8 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
   constexpr int kXChunks = X16 ? kMaxHidden / CODES : 1;
   __shared__ uint4 xi[kXChunks * kX16Slots<BITS>];
   __shared__ float xsum_s[kXChunks], xd_s[kXChunks];
-  // Slot order: the shared expert's blocks first (their weights are known before the routing is), then slots 0..k-1;
-  // switch route_sorted: then slots k-1..0, so that the blocks past the first wave (at the real shape 48 of 576 in
-  // 528 slots) are slot 0's, whose pick is one round, rather than slot k-1's, whose pick is k.
-  const int t = blockIdx.y, js = blockIdx.x / a.tiles_gu, tile = blockIdx.x % a.tiles_gu;
-  const int j = js == 0 ? a.k : a.route_sorted ? a.k - js : js - 1;
+  // Slot order: the shared expert's blocks first (their weights are known before the routing is), then slots 0..k-1.
+  const int t = blockIdx.y, js = blockIdx.x / a.tiles_gu, j = js == 0 ? a.k : js - 1, tile = blockIdx.x % a.tiles_gu;
   const bool shared = j == a.k;
   const int N = shared ? a.IS : a.I, n_block = tile * a.rb_gu;
   pdl_trigger();
@@ -874,7 +836,6 @@ void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, 
   d.E = a.E;
   d.norm_topk = a.norm_topk_prob;
   d.pick_logits = ctx.opts.on(Opt::route_logits);
-  d.route_sorted = d.pick_logits && ctx.opts.on(Opt::route_sorted);
   d.resid = resid;
   d.gate = stack_of(w.gate), d.up = stack_of(w.up), d.down = stack_of(w.down);
   d.sgate = stack_of(w.shared_gate), d.sup = stack_of(w.shared_up), d.sdown = stack_of(w.shared_down);
