@@ -49,6 +49,8 @@ def main() -> None:
         for i in range(2 * args.rounds):
             for k in ("old", "new") if i % 2 == 0 else ("new", "old"):
                 legs[k].append(leg(getattr(args, k), args, Path(tmp) / f"{k}{i}.json"))
+                print(f"{k}: " + ", ".join(f"{L} {s:.1f} / greedy {g:.1f}" for L, (s, g) in legs[k][-1].items()),
+                      flush=True)
     for L in legs["old"][0]:
         for j, mode in enumerate(("sampled", "greedy")):
             old, new = ([run[L][j] for run in legs[k]] for k in ("old", "new"))
