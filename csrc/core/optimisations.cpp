@@ -21,9 +21,6 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::wgmma, "wgmma", "cuda",
        "prefill GEMMs (dense and expert) on Hopper's wgmma, weights dequantised into registers, instead of mma.sync "
        "from a dequantised shared-memory tile"},
-      {Opt::route_block, "route_block", "cuda",
-       "MoE routing: one block per token (top-k maxima by redux.sync, the shared gate's dot over the block, its "
-       "weights loaded before the PDL wait) instead of one warp per token"},
       {Opt::qmv_mma, "qmv_mma", "cuda",
        "GEMMs of 9 to 16 tokens (a short prompt tail) as one pass over the weights on the tensor cores, the codes "
        "dequantised in registers, instead of the tile GEMMs, which launch a quarter of the SMs' worth of blocks there"},
@@ -47,9 +44,6 @@ const std::vector<OptInfo>& optimisation_table() {
        "decode: a token's Gated DeltaNet recurrence in one kernel, each block normalising its head's q and k and "
        "computing its gates itself, instead of a prep kernel that hands them on through scratch (Metal's scan "
        "always did; there the switch takes the one-token kernels of the two below with it)"},
-      {Opt::qmv_norm, "qmv_norm", "cuda",
-       "decode: the RMSNorm before the input projections and the lm_head computed by the streaming GEMV as it stages "
-       "its input, instead of a norm kernel before it"},
       {Opt::gdn_norm_fused, "gdn_norm_fused", "cuda,metal",
        "decode: a token's Gated DeltaNet output norm (rms_norm(y)·w·silu(z) per head) done by the one-token scan "
        "kernel, one block / threadgroup per head, instead of a norm kernel after it (only with gdn_prep_fused on)"},

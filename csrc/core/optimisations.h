@@ -23,10 +23,6 @@ enum class Opt : int {
   wgmma,             // CUDA: prefill GEMMs (dense and expert) on Hopper's wgmma with the weights dequantised into
                      //   registers (qmm_sm90.cu) instead of mma.sync from a dequantised shared-memory tile. Metal has
                      //   no such instruction: its GEMMs use simdgroup matrices already (metal/qmm.metal)
-  route_block,       // CUDA: MoE routing as one block per token (redux.sync maxima in the top-k, the shared gate's dot
-                     //   over the block with its weights loaded before the PDL wait) instead of one warp per token.
-                     //   Not on Metal: its simdgroup maxima (simd_max) are one reduction already; the dot shared
-                     //   over a threadgroup would carry over, unmeasured (benchmarks/NOTES.md, Metal)
   qmv_mma,           // CUDA: GEMMs of 9–16 tokens (a short prompt tail, e.g. the assistant header the server prefills
                      //   after snapshotting a new conversation's opening turn) as one tensor-core GEMV pass, the codes
                      //   dequantised in registers, instead of the tile GEMMs. Metal: its GEMV takes up to 8 tokens;
@@ -51,8 +47,6 @@ enum class Opt : int {
                      //   q and k and computing its gates itself, instead of a prep kernel handing them on through
                      //   scratch. Metal: its scan always normalises in the kernel; the switch gates the one-token
                      //   kernels below (backend/policy.h: gdn_token_path)
-  qmv_norm,          // CUDA: the RMSNorm before the input projections and the lm_head computed by the streaming decode
-                     //   GEMV while it stages x (rms_norm_qmm), instead of a norm kernel before it. Metal: not ported
   gdn_norm_fused,    // CUDA, Metal: a decode token's gated RMSNorm (o = rms_norm(y)·w·silu(z) per head) done by the
                      //   one-token scan kernel, one block / threadgroup per head, instead of a norm kernel after it
                      //   (needs gdn_prep_fused)

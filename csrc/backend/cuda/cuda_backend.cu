@@ -146,11 +146,6 @@ class CudaBackend final : public Backend {
     else
       Backend::qmm_multi(W, n, x, T, y);
   }
-  void rms_norm_qmm(const float* x, const float* w, float eps, const QMatrix* W, int n, int T, void* a,
-                    void* const* y, bool y_f32) override {
-    if (T != 1 || !cuda::qmv_norm(ctx_, W, n, x, w, eps, y, y_f32))
-      Backend::rms_norm_qmm(x, w, eps, W, n, T, a, y, y_f32);
-  }
   void moe_residual(float* x, const void* d, const float* w, float eps, const MoeArgs& a, const MoeWeights& mw,
                     void* m, void* out) override {
     cuda::moe_residual(ctx_, x, cb(d), w, eps, a, mw, b(m), b(out));

@@ -19,8 +19,7 @@
 //          Prefill T=4096: routed 206.2 + shared 25.8 + router 4.3 = 236 GFLOP per layer → 0.36 ms at 660 TFLOP/s
 //          (tensor cores, in moe_gemm/qmm); the kernels of this file only move T·k·H·2 B (128 MB at T=4096).
 // Mapping  Both paths: router logits by qmm (f32); moe_route_kernel: one warp per token, E/32 probabilities per
-//          lane, k rounds of warp argmax; the same warp computes γ. Switch route_block: moe_route_block_kernel, one
-//          block of 128 per token: warp 0 routes with redux.sync maxima, the block shares γ's dot.
+//          lane, k rounds of warp argmax; the same warp computes γ (decode runs it only with route_fused off).
 //          Prefill (T > kMoeDecodeMaxT, or shapes the decode kernels do not take): moe_sort_kernel, one block per
 //          expert, counts the (token, slot) pairs routed below / to it (offsets) and scatters its pairs in (token,
 //          slot) order (ballot prefix scan, no atomics) → rows, pos; moe_gemm gate+up (SwiGLU fused) → h;
@@ -53,7 +52,9 @@
 //          instead of 98.8; the residual added in the last kernel (moe_residual); the shared expert's codes loaded
 //          before the PDL wait in the decode kernels. Tried and removed: router GEMV + softmax + top-k + shared gate
 //          in one kernel with a last-block-arrival tail (8.5 µs against 4.1 + 10.7, but −9.5 % decode end to end).
-//          v3 (2026-12-02) moe_route_block_kernel (switch route_block): decode 457 → 506 tok/s at 4K on the H200.
+//          v3 (2026-12-02) moe_route_block_kernel (switch route_block, one block per token): decode 457 → 506 tok/s
+//          at 4K on the H200. Removed in session 42: once route_fused routed decode inside the gate+up kernel, it
+//          measured +0.21 % decode (H200) and −0.83 / −0.46 % prefill at 4K (H100, benchmarks/NOTES.md).
 //          v4 (2026-12-03) the routing inside moe_gate_up_kernel (switch route_fused): decode +3.1 % / +3.5 % at 4K,
 //          +2.8 % at 32K (benchmarks/probes/ab_decode.py). Tried and removed: moe_down_kernel routing itself before
 //          its PDL wait, gate+up triggering its successor only after its own wait (so that the router had finished):
@@ -215,8 +216,8 @@ __device__ __forceinline__ float key_float(unsigned k) {
 // Warp-wide: P = softmax(ℓ) over E ≤ kMaxExperts logits (lane l holds ℓ[l + 32·i] in p[i], -inf past E), the top-k
 // by P (ties → lower id), and ŵ = P / Σ_topk P (norm_topk) or P; lane j < k writes slot j of ids and wts (ids set).
 // Returns the id the last of the rounds run won (every lane), rounds ≤ k of them: slot rounds − 1's expert.
-// REDUX (switch route_block): the maxima by redux.sync (one instruction each) instead of five shuffle rounds; the
-// same values, the same order.
+// REDUX (the gate+up kernel's routing, switch route_fused): the maxima by redux.sync (one instruction each) instead
+// of five shuffle rounds; the same values, the same order.
 template <bool REDUX>
 __device__ __forceinline__ int route_warp(float (&p)[kMaxExperts / 32], int E, int k, bool norm_topk, int32_t* ids,
                                           float* wts, int rounds) {
@@ -411,52 +412,6 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   route_warp<false>(p, E, k, norm_topk, r.ids + size_t(t) * k, r.wts + size_t(t) * k, k);
   const float gamma = seg_gate_warp<SEG_BITS>(seg, m + size_t(t) * H, H);
   if (lane == 0) r.gamma[t] = gamma;
-}
-
-// Switch route_block: one block per token. Warp 0 routes (route_warp with redux); all kRouteThreads threads share
-// γ's dot, the first kSegPre words each loaded before the PDL wait (weights only), so that the dot costs one
-// latency of m instead of a warp's serial pass over 2048 values.
-constexpr int kRouteThreads = 128;
-constexpr int kSegPre = 4;  // covers H ≤ 2048 (8-bit) / 4096 (4-bit)
-template <int SEG_BITS>
-__global__ void __launch_bounds__(kRouteThreads)
-    moe_route_block_kernel(const float* logits, const bf16* m, QStack seg, int E, int k, int H, bool norm_topk,
-                           Route r) {
-  pdl_trigger();
-  constexpr int kPer = kMaxExperts / 32, kPerWord = 32 / SEG_BITS;
-  const int t = blockIdx.x, tid = threadIdx.x;
-  const int words = H / kPerWord;
-  uint32_t wq[kSegPre];
-  float ws[kSegPre], wb[kSegPre];
-#pragma unroll
-  for (int i = 0; i < kSegPre; ++i) {
-    const int wi = tid + kRouteThreads * i;
-    if (wi < words) {
-      const int g = wi * kPerWord / seg.group;
-      wq[i] = __ldg(seg.w + wi);
-      ws[i] = bf16_bits_to_f(__ldg(seg.s + g));
-      wb[i] = bf16_bits_to_f(__ldg(seg.b + g));
-    }
-  }
-  pdl_wait();
-  if (tid < 32) {
-    float p[kPer];
-    load_logits(logits + size_t(t) * E, E, p);
-    route_warp<true>(p, E, k, norm_topk, r.ids + size_t(t) * k, r.wts + size_t(t) * k, k);
-  }
-  const bf16* mr = m + size_t(t) * H;
-  float dot = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kSegPre; ++i) {
-    const int wi = tid + kRouteThreads * i;
-    if (wi < words) seg_dot<SEG_BITS>(wq[i], ws[i], wb[i], mr + wi * kPerWord, dot);
-  }
-  for (int wi = tid + kRouteThreads * kSegPre; wi < words; wi += kRouteThreads) {
-    const int g = wi * kPerWord / seg.group;
-    seg_dot<SEG_BITS>(seg.w[wi], bf16_bits_to_f(seg.s[g]), bf16_bits_to_f(seg.b[g]), mr + wi * kPerWord, dot);
-  }
-  dot = block_sum(dot);
-  if (tid == 0) r.gamma[t] = 1.0f / (1.0f + expf(-dot));
 }
 
 // ---- kernels: prefill ---------------------------------------------------------------------------------------------
@@ -956,12 +911,8 @@ void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf1
   }
   dispatch_bits(w.shared_expert_gate.bits, [&](auto bits) {
     constexpr int SB = decltype(bits)::value;
-    if (ctx.opts.on(Opt::route_block))
-      launch(ctx, moe_route_block_kernel<SB>, unsigned(a.T), kRouteThreads, 0, logits, m,
-             stack_of(w.shared_expert_gate), a.E, a.top_k, a.H, a.norm_topk_prob, r);
-    else
-      launch(ctx, moe_route_kernel<SB>, unsigned(cdiv(a.T, kRouteWarps)), kRouteWarps * 32, 0, logits, m,
-             stack_of(w.shared_expert_gate), a.T, a.E, a.top_k, a.H, a.norm_topk_prob, r);
+    launch(ctx, moe_route_kernel<SB>, unsigned(cdiv(a.T, kRouteWarps)), kRouteWarps * 32, 0, logits, m,
+           stack_of(w.shared_expert_gate), a.T, a.E, a.top_k, a.H, a.norm_topk_prob, r);
   });
   check_launch("moe_route_kernel");
 

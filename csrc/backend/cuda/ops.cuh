@@ -18,10 +18,6 @@ void add_rms_norm(Ctx& ctx, float* x, const bf16* d, const float* w, int T, int 
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
 void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32);
 bool qmv_takes(const Ctx& ctx, const QMatrix& W, int T);
-// Switch qmv_norm, one token: y[i] = (rms_norm(x)·w) · W[i]ᵀ with the norm done by the streaming GEMV as it stages x
-// (x, w fp32 [K]). Returns false, launching nothing, where the streaming kernel does not take these matrices.
-bool qmv_norm(Ctx& ctx, const QMatrix* Ws, int n, const float* x, const float* w, float eps, void* const* ys,
-              bool y_f32);
 // qmm.cu: any T; what qmv_takes goes to qmv, larger T to the tile GEMMs (N/256 blocks of 64 tokens at the least:
 // latency-bound for a short tail, 32 µs for the 8 MB of an 8192 × 2048 projection at T = 14 on the H200).
 void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);

@@ -12,9 +12,7 @@
 // Work     2·T·N·K FLOP, ≤ 4 FLOP per weight byte at T=1 (64 at T=16): bandwidth-bound.  Floor @ 4.8 TB/s
 //          (4.25 measured copy): 8192×2048 2.0 µs (2.2);  lm_head 59.6 µs (67.3);  the ≤ 1 MB matrices are
 //          launch/latency-bound (~2 µs).
-// Mapping  (qmv_norm: x = rms_norm(xn)·w from fp32 xn [K ≤ 2048], each streaming block normalising it itself with
-//          the norm kernel's partition and block sum, so x is bitwise the norm kernel's bf16 row.)
-//          block = 8 warps; a warp owns 4 rows and a 1/split share of K (split 1..8 so that small N still fills
+// Mapping  block = 8 warps; a warp owns 4 rows and a 1/split share of K (split 1..8 so that small N still fills
 //          132 SMs): lane l reads 16-byte chunks c = 32·sp + l + 32·split·i of all 4 rows (512 coalesced bytes per
 //          row per warp step), issues up to 8 chunk loads before the first use and before x is staged. x is staged
 //          once per block into shared memory as fp32, swizzled (float4 slot XOR row mod 8: quarter-warps reading
@@ -32,13 +30,14 @@
 //          wait. Tried and removed: the input RMSNorm computed in the prologue of every block (−14.7 % decode).
 //          v4 (2026-12-02) 9 ≤ T ≤ 16 on qmv_mma_kernel (switch qmv_mma), replacing two passes of qmv_kernel
 //          (T FMAs per code in fp32: 2.15 ms per pass over the dense weights of a 14-token forward).
-//          v5 (current, 2026-12-04) qmv_norm (switch qmv_norm, op rms_norm_qmm): the streaming kernel stages
-//          rms_norm(x)·w from the fp32 residual itself (stage_x_norm, after its first weight units are in flight),
-//          so the input projections and the lm_head need no norm kernel: decode +1.35 % at 4K. Tried and removed:
-//          the post-mixer residual add and norm in the router the same way (+0.6 %, benchmarks/NOTES.md v14).
-//          v6 (2026-12-05) qmv_dp4a (switch): one token's dot products (both kernels) on dp4a, x staged in 16-bit
-//          fixed point per code chunk (x16.cuh: exact for every element within 2^7 of its chunk's largest), ~0.75
-//          instructions per 4-bit code instead of ~2.4.
+//          v5 (2026-12-04) qmv_norm: the streaming kernel staged rms_norm(x)·w from the fp32 residual itself, so
+//          the input projections and the lm_head needed no norm kernel: +1.35 % at 4K against its own build with
+//          the switch off (H200, v14). Removed in session 42 (benchmarks/NOTES.md): the build without its code
+//          decoded 0.4 % faster at 4K than the build with it (H200, v18). Also tried and removed: the post-mixer
+//          residual add and norm in the router the same way (+0.6 %, NOTES.md v14).
+//          v6 (current, 2026-12-05) qmv_dp4a (switch): one token's dot products (both kernels) on dp4a, x staged in
+//          16-bit fixed point per code chunk (x16.cuh: exact for every element within 2^7 of its chunk's largest),
+//          ~0.75 instructions per 4-bit code instead of ~2.4.
 #include <utility>
 
 #include "backend/cuda/gemm.cuh"
@@ -78,10 +77,6 @@ struct QmvParams {
   int split_log;       // log2 of the warps sharing one row set (K split)
   int rows;            // rows of all matrices together
   bool y_f32;
-  // Switch qmv_norm (qmv_stream_kernel): when xn is set, x is rms_norm(xn)·nw (fp32 [K] each), computed while staging.
-  const float* xn;
-  const float* nw;
-  float eps;
 };
 
 // float4 slot of element e (e % 4 == 0) in a swizzled fp32 x row: rows of 32 floats, slot (e/4 mod 8) XOR (row mod 8).
@@ -126,103 +121,7 @@ __device__ __forceinline__ void stage_x(const QmvParams& p, float4* xs, float* x
   }
 }
 
-// Switch qmv_norm, one token: x = bf16(xn · r · nw), r = 1 / sqrt(mean(xn²) + eps), staged as stage_x stages x. Thread
-// i holds float4 chunks i + blockDim·j of xn and nw (loaded together after the PDL wait), the partition and block sum of
-// rms_norm_kernel for a block of this size, so x is bitwise the norm kernel's; Σx per 16-byte code chunk by shuffles
-// over the lanes holding its kF4 float4s.
-constexpr int kNormF4 = 2;  // float4 chunks of xn per thread: K ≤ 2 · 4 · blockDim (2048 for the 256-thread stream)
-
-__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
-
-// x = bf16(xn · r · nw) for stage_x_norm and stage_x16_norm, r = 1 / sqrt(mean(xn²) + eps) by rms_norm_kernel's
-// block sum: thread i's float4 chunks i + blockDim·j (o[j]; zero past K), bitwise the norm kernel's row.
-__device__ __forceinline__ void norm_row(const QmvParams& p, float4 (&o)[kNormF4]) {
-  const int K4 = p.K / 4;
-  const float4* xr = reinterpret_cast<const float4*>(p.xn);
-  const float4* wr = reinterpret_cast<const float4*>(p.nw);
-  float4 v[kNormF4], wv[kNormF4];
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kNormF4; ++j) {  // xn and nw in one round trip
-    const int i = threadIdx.x + j * blockDim.x;
-    v[j] = i < K4 ? xr[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    wv[j] = i < K4 ? __ldg(wr + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-#pragma unroll
-  for (int j = 0; j < kNormF4; ++j) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-  const float r = 1.0f / sqrtf(block_sum(ss) / float(p.K) + p.eps);
-#pragma unroll
-  for (int j = 0; j < kNormF4; ++j)  // as rms_norm stores
-    o[j] = make_float4(bf16_round(v[j].x * r * wv[j].x), bf16_round(v[j].y * r * wv[j].y),
-                       bf16_round(v[j].z * r * wv[j].z), bf16_round(v[j].w * r * wv[j].w));
-}
-
-template <int BITS>
-__device__ __forceinline__ void stage_x_norm(const QmvParams& p, float4* xs, float* xsum) {
-  constexpr int kF4 = 32 / BITS;  // float4s of x per 16-byte chunk of codes
-  const int K4 = p.K / 4;
-  float4 x[kNormF4];
-  norm_row(p, x);
-#pragma unroll
-  for (int j = 0; j < kNormF4; ++j) {
-    const int i = threadIdx.x + j * blockDim.x;  // K4 % kF4 == 0: a chunk's lanes are all in or all out
-    const float4 o = x[j];
-    float sum = (o.x + o.y) + (o.z + o.w);
-#pragma unroll
-    for (int m = 1; m < kF4; m <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
-    if (i < K4) {
-      xs[xslot(4 * i)] = o;
-      if (i % kF4 == 0) xsum[i / kF4] = sum;
-    }
-  }
-}
-
 // ---- switch qmv_dp4a: x staged in 16-bit fixed point (x16.cuh), the dot products on dp4a (T = 1) -----------------
-// stage_x_norm's form for the switch: x = bf16(xn · r · nw) as stage_x_norm computes it; the kF4 lanes holding a
-// chunk's float4s find its largest |x| and Σx by shuffles, each turns its own four values into x16 and writes its
-// bytes (at 4 bits two lanes' halves make a word's slot: one shuffle pair, the lower lane writes).
-template <int BITS>
-__device__ __forceinline__ void stage_x16_norm(const QmvParams& p, uint4* xi, float* xsum, float* xd) {
-  constexpr int kF4 = 32 / BITS;
-  const int K4 = p.K / 4;
-  float4 xn[kNormF4];
-  norm_row(p, xn);
-#pragma unroll
-  for (int j = 0; j < kNormF4; ++j) {
-    const int i = threadIdx.x + j * blockDim.x;  // K4 % kF4 == 0: a chunk's lanes are all in or all out
-    const int c = i / kF4, f = i % kF4;          // chunk, and this lane's float4 in it
-    const float o[4] = {xn[j].x, xn[j].y, xn[j].z, xn[j].w};
-    float m = fmaxf(fmaxf(fabsf(o[0]), fabsf(o[1])), fmaxf(fabsf(o[2]), fabsf(o[3])));
-    float sum = (o[0] + o[1]) + (o[2] + o[3]);
-#pragma unroll
-    for (int k = 1; k < kF4; k <<= 1) {
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, k));
-      sum += __shfl_xor_sync(0xffffffffu, sum, k);
-    }
-    const int e = x16_exp(m);
-    const float mul = pow2f(14 - e);
-    int x[4];
-#pragma unroll
-    for (int h = 0; h < 4; ++h) x[h] = round_small(o[h] * mul);
-    if constexpr (BITS == 4) {  // float4 f: half f % 2 of word f / 2; even elements 0, 2 and odd 1, 3 of the half
-      uint32_t h, l;
-      x16_bytes(x[0], x[2], x[1], x[3], h, l);  // bytes 0, 1: the even elements; bytes 2, 3: the odd ones
-      const uint32_t ph = __shfl_xor_sync(0xffffffffu, h, 1), pl = __shfl_xor_sync(0xffffffffu, l, 1);
-      if (i < K4 && (f & 1) == 0)  // {hi even, hi odd, lo even, lo odd}: this half's two bytes low, the peer's high
-        xi[x16_slot<BITS>(c, f >> 1)] = make_uint4(__byte_perm(h, ph, 0x5410), __byte_perm(h, ph, 0x7632),
-                                                   __byte_perm(l, pl, 0x5410), __byte_perm(l, pl, 0x7632));
-    } else {  // float4 f: word f of the chunk
-      uint32_t hi, lo;
-      x16_bytes(x[0], x[1], x[2], x[3], hi, lo);
-      if (i < K4) reinterpret_cast<uint2*>(xi)[2 * x16_slot<BITS>(c, f >> 1) + (f & 1)] = make_uint2(hi, lo);
-    }
-    if (i < K4 && f == 0) {
-      xsum[c] = sum;
-      xd[c] = pow2f(e - (BITS == 4 ? 18 : 14));
-    }
-  }
-}
-
 // X16 (switch qmv_dp4a, T = 1): x staged as x16 (x16.cuh), the dot products on dp4a.
 template <int BITS, int T, bool X16 = false>
 __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
@@ -484,15 +383,9 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
   if (u < units) load(u, A);  // the weight stream starts before the previous kernel is done
   pdl_wait();
   if constexpr (X16) {
-    if (p.xn)
-      stage_x16_norm<BITS>(p, xi, xsum, xd);
-    else
-      stage_x16<BITS>(p.x, p.chunks, xi, xsum, xd);
+    stage_x16<BITS>(p.x, p.chunks, xi, xsum, xd);
   } else {
-    if (p.xn)
-      stage_x_norm<BITS>(p, xs, xsum);
-    else
-      stage_x<BITS, 1>(p, xs, xsum);
+    stage_x<BITS, 1>(p, xs, xsum);
   }
   __syncthreads();
   while (u < units) {  // two units per trip, so that A and B swap roles without run-time register indexing
@@ -683,8 +576,6 @@ QmvParams qmv_params(const QMatrix* Ws, int n, const bf16* x, void* const* ys, b
   p.groups = W.K / W.group;
   p.gshift = log2_exact(W.group / epc);
   p.y_f32 = y_f32;
-  p.xn = p.nw = nullptr;
-  p.eps = 0.0f;
   p.split_log = 0;
   p.rows = 0;
   for (int i = 0; i < n; ++i) {
@@ -782,20 +673,6 @@ void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* c
 
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) {
   qmv_multi(ctx, &W, 1, x, T, &y, y_f32);
-}
-
-bool qmv_norm(Ctx& ctx, const QMatrix* Ws, int n, const float* x, const float* w, float eps, void* const* ys,
-              bool y_f32) {
-  if (!ctx.opts.on(Opt::qmv_norm) || !ctx.opts.on(Opt::qmv_stream) || n > kMaxSegs) return false;
-  for (int i = 1; i < n; ++i)
-    if (Ws[i].K != Ws[0].K || Ws[i].bits != Ws[0].bits || Ws[i].group != Ws[0].group) return false;
-  if (Ws[0].K > kNormF4 * 4 * kStreamWarps * 32 || !w || reinterpret_cast<uintptr_t>(w) % 16) return false;
-  check_qmv(Ws, n, x, 1, kQmvMaxT, ys);  // backend/checks.h (x: the fp32 row the norm reads)
-  QmvParams p = qmv_params(Ws, n, nullptr, ys, y_f32);
-  p.xn = x, p.nw = w, p.eps = eps;
-  const size_t smem = stage_bytes(p, 1);
-  if (smem > ctx.smem_optin) return false;
-  return launch_stream(ctx, Ws, n, p, smem);
 }
 
 }  // namespace lily::cuda
