@@ -176,12 +176,14 @@ class Backend {
   // gate. m, out [T, H].
   virtual void moe(const MoeArgs& a, const MoeWeights& w, const void* m, void* out) = 0;
 
-  // The MoE half of a layer with its residual: x += d; m = rms_norm(x)·w; x += moe(m). x fp32 [T, H]; d [T, H]
-  // activations (the mixer's output); m and out [T, H] activations are scratch, and out may be d. A backend may add
-  // the MoE result into x in the op's last kernel instead of through out.
-  virtual void moe_residual(float* x, const void* d, const float* w, float eps, const MoeArgs& a,
+  // The rest of a layer after its mixer: x += y·W_oᵀ (the mixer's output projection); m = rms_norm(x)·w; x += moe(m).
+  // x fp32 [T, H]; y [T, W_o.K] activations (the mixer's output); m and out [T, H] activations are scratch. A backend
+  // may add the projection and the MoE result into x in the kernels that compute them instead of through out, and
+  // fold the norm into the router's product.
+  virtual void moe_residual(float* x, const QMatrix& W_o, const void* y, const float* w, float eps, const MoeArgs& a,
                             const MoeWeights& mw, void* m, void* out) {
-    add_rms_norm(x, d, w, a.T, a.H, eps, m);
+    qmm(W_o, y, a.T, out, false);
+    add_rms_norm(x, out, w, a.T, a.H, eps, m);
     moe(a, mw, m, out);
     add_rms_norm(x, out, w, a.T, a.H, eps, m);  // x += moe(m); m, recomputed, is not used
   }

@@ -18,6 +18,7 @@ enum Slot : int {
   kSlotAttnQ, kSlotAttnPartial,
   kSlotGdn, kSlotGdnChunk,
   kSlotSample,
+  kSlotNormParts,
   kNumSlots
 };
 
@@ -100,6 +101,13 @@ inline Parts<4> gdn_chunk_parts(const GdnArgs& a) {
   const size_t rows = size_t(a.NV) * gdn_chunks(a.T) * kGdnChunk;
   return Parts<4>({rows * a.DV * 4, rows * a.DK * 4, rows * kGdnChunk * 4, rows * 4});
 }
+
+// ---- the folded norms (cuda/moe.cu, cuda/qmv.cu, switch norm_fold) -------------------------------------------------
+
+// kSlotNormParts: what the output projection's GEMV, adding into one token's residual row x, leaves for the router's
+// GEMV, which reads rms_norm(x)·w: `parts` fp32 partial sums of x² over blocks of x, and xw = x ⊙ w bf16 [H].
+enum NormPart : int { kNormParts, kNormXw };
+inline Parts<2> norm_parts(int parts, int H) { return Parts<2>({size_t(parts) * 4, size_t(H) * 2}); }
 
 // ---- token selection (metal/sample.metal, switch sample_split) ----------------------------------------------------
 

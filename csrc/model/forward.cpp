@@ -297,7 +297,6 @@ void Session::mixer_attention(const LayerWeights& L, int T, void* k_cache, void*
   void* const out[3] = {qg_x_, k_z_, v_b_};  // qg [T, NH, 2·HD], k [T, NKV·HD], v [T, NKV·HD]
   be_.rms_norm_qmm(x_, L.input_norm, float(c.rms_norm_eps), proj, 3, T, a_, out, false);  // a = pre-norm(x)
   be_.attention(a, qg_x_, k_z_, v_b_, L.q_norm, L.k_norm, k_cache, v_cache, attn_alpha_);  // [T, NH·HD], gated
-  be_.qmm(L.o_proj, attn_alpha_, T, d_, false);
 }
 
 void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* rec_state, int cut, Snapshot* save,
@@ -327,7 +326,6 @@ void Session::mixer_gdn(const LayerWeights& L, int T, void* conv_state, float* r
                  rec_state, row(y_, Y, cut));
     be_.gdn_norm(a, y_, k_z_, L.gdn_norm, y_);  // o [T, NV·DV], in place
   }
-  be_.qmm(L.out_proj, y_, T, d_, false);
 }
 
 void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, bool device_pos) {
@@ -361,7 +359,11 @@ void Session::forward(const int32_t* tokens, int T, Logits mode, float* logits, 
     }
     MoeArgs m{T, H, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
               c.shared_expert_intermediate_size, c.norm_topk_prob};
-    be_.moe_residual(x_, d_, L.post_norm, eps, m, L.moe, a_, d_);  // x += mixer; x += MoE(post-norm(x))
+    // x += the mixer's output projection; x += MoE(post-norm(x))
+    if (L.full_attention)
+      be_.moe_residual(x_, L.o_proj, attn_alpha_, L.post_norm, eps, m, L.moe, a_, d_);
+    else
+      be_.moe_residual(x_, L.out_proj, y_, L.post_norm, eps, m, L.moe, a_, d_);
   }
   if (part) {
     save_kv(*part);  // rows below the cut: final once the layers ran

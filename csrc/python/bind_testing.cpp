@@ -323,14 +323,15 @@ std::function<void()> prepare(Backend& be, Runner& r, const std::string& op) {
     w.shared_up = r.q("shared_up", 0);
     w.shared_down = r.q("shared_down", 0);
     w.shared_expert_gate = r.q("shared_expert_gate", 0);
-    if (op == "moe_residual") {  // x += d; x += MoE(rms_norm(x)·w): x comes back updated
+    if (op == "moe_residual") {  // x += y·W_oᵀ; x += MoE(rms_norm(x)·w): x comes back updated
+      const QMatrix o = r.q("o", 0);
       float* x = r.f32("x");
-      void* d = r.act("d");
+      void* y = r.act("y");
       float* nw = r.f32("w");
       const float eps = r.f("eps");
       void* m = r.scratch(size_t(a.T) * a.H * be.act_bytes());
       void* out = r.scratch(size_t(a.T) * a.H * be.act_bytes());
-      return [&be, a, w, x, d, nw, eps, m, out] { be.moe_residual(x, d, nw, eps, a, w, m, out); };
+      return [&be, a, w, o, x, y, nw, eps, m, out] { be.moe_residual(x, o, y, nw, eps, a, w, m, out); };
     }
     void* m = r.act("m");
     void* out = r.out("out", size_t(a.T) * a.H, false);

@@ -177,12 +177,16 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
             m = _clear_routing(rng, m.astype(np.float64), router, d["top_k"]).astype(np.float32)
         if op == "moe":
             x["m"] = m
-        else:  # x + d whose RMSNorm (unit weight) is m: the routing margin of m carries over
+        else:  # x + y·W_oᵀ whose RMSNorm (unit weight) is m: the routing margin of m carries over
             p["eps"] = 1e-6
             x["w"] = np.ones(H, np.float32)
-            x["d"] = _act(rng, (T, H))
+            KO = d.get("KO", 2 * H)  # the mixer's width (the output projection's K)
+            q, kp = qmatrix(rng, "o", 0, H, KO, 4, std=KO ** -0.5)
+            x.update(q), p.update(kp)
+            x["y"] = _act(rng, (T, KO))
+            proj = x["y"].astype(np.float64) @ dequantize(x["o.w"], x["o.scales"], x["o.biases"], 4, 64).T
             scale = np.sqrt(np.mean(m.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-6)
-            x["x"] = (m.astype(np.float64) * scale * rng.uniform(0.5, 2.0, size=(T, 1)) - x["d"]).astype(np.float32)
+            x["x"] = (m.astype(np.float64) * scale * rng.uniform(0.5, 2.0, size=(T, 1)) - proj).astype(np.float32)
     else:
         raise ValueError(f"unknown op {op!r}")
     return p, x
@@ -418,12 +422,14 @@ CASES = [
     # exact ties between the router's logits, across a CUDA warp's lanes and within one: the lower id goes first
     *[Case("moe", dict(T=1, H=128, E=64, top_k=8, I=64, IS=64, skewed=True, tied=t), tags=("edge",))
       for t in ("lanes", "pairs")],
-    # the MoE half of a layer with its residual (decode: the norm in the router, the residual in the down kernel)
-    Case("moe_residual", dict(T=1, **_moe_real), tags=("model", "slow")),
+    # the rest of a layer after its mixer: the output projection, the residual, the post-mixer norm, the MoE, the
+    # residual (decode, switch norm_fold: the projection adds into x, the norm folded into the router's GEMV where the
+    # streaming kernel takes it)
+    Case("moe_residual", dict(T=1, KO=4096, **_moe_real), tags=("model", "slow")),
     Case("moe_residual", dict(T=1, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
     # one token whose router (8-bit, then 4-bit) the streaming decode GEMV takes
     Case("moe_residual", dict(T=1, H=512, E=16, top_k=4, I=128, IS=128), tags=("edge",)),
-    Case("moe_residual", dict(T=1, H=1024, E=8, top_k=2, I=64, IS=64, gate_bits=4), tags=("edge",)),
+    Case("moe_residual", dict(T=1, H=1024, E=8, top_k=2, I=64, IS=64, gate_bits=4, KO=384), tags=("edge",)),
     Case("moe_residual", dict(T=3, H=64, E=8, top_k=2, I=64, IS=128), tags=("edge",)),
     Case("moe_residual", dict(T=130, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
     Case("moe_residual", dict(T=1, H=128, E=8, top_k=2, I=64, IS=64, bits=8, gate_bits=4), tags=("edge",)),

@@ -146,9 +146,9 @@ class CudaBackend final : public Backend {
     else
       Backend::qmm_multi(W, n, x, T, y);
   }
-  void moe_residual(float* x, const void* d, const float* w, float eps, const MoeArgs& a, const MoeWeights& mw,
-                    void* m, void* out) override {
-    cuda::moe_residual(ctx_, x, cb(d), w, eps, a, mw, b(m), b(out));
+  void moe_residual(float* x, const QMatrix& W_o, const void* y, const float* w, float eps, const MoeArgs& a,
+                    const MoeWeights& mw, void* m, void* out) override {
+    cuda::moe_residual(ctx_, x, W_o, cb(y), w, eps, a, mw, b(m), b(out));
   }
   void attention(const AttnArgs& a, const void* qg, const void* k, const void* v, const float* q_norm,
                  const float* k_norm, void* k_cache, void* v_cache, void* out) override {

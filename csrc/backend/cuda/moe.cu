@@ -75,6 +75,9 @@
 //          blocks an SM so that its 576 blocks fit one wave (moe_gu_one_wave): −2.6 %; the shared expert's blocks
 //          taking four tiles each in turn so that the kernel fits one wave (moe_shared_wide): −6 to −7 %; this kernel
 //          specialised on route_logits, 54 KB of code instead of 72 at the same registers (gu_slim): +0.3 %.
+//          v6 (2026-12-06) norm_fold (switch, one token): the mixer's output projection adds into x and leaves Σx²
+//          by block and x ⊙ w; the router's streaming GEMV folds the post-mixer norm in (qmv.cu v7) and writes m for
+//          the experts: no norm kernel between them.
 #include <algorithm>
 
 #include "backend/checks.h"
@@ -888,8 +891,16 @@ void check_moe_args(const MoeArgs& a, const MoeWeights& w, const bf16* m, const 
              "moe: T·top_k·max(H, I, IS) must stay below 2^31");
 }
 
-// The MoE block on m; the result goes to out, or is added to resid (fp32).
-void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out, float* resid) {
+// Switch norm_fold: the MoE's m = rms_norm(x.x)·x.w is not computed yet: the router folds the norm and writes m.
+struct Fold {
+  NormParts x;
+  float eps;
+  bf16* m;
+};
+
+// The MoE block on m; the result goes to out, or is added to resid (fp32). fold: m from the router (above).
+void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out, float* resid,
+             const Fold* fold = nullptr) {
   float* logits = static_cast<float*>(ctx.scratch(kSlotMoeLogits, size_t(a.T) * a.E * sizeof(float)));
   const Parts<3> rp = moe_route_parts(a.T, a.top_k);
   const Route r = moe_route_at(ctx.scratch(kSlotMoeRoute, rp.bytes), rp);
@@ -904,7 +915,11 @@ void run_moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf1
     moe_shared(side, a, w, m, sh);
   }
 
-  qmm(ctx, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
+  void* const lg = logits;
+  if (!fold || !qmv_fold(ctx, &w.router, 1, fold->x, fold->eps, &lg, true, fold->m)) {
+    if (fold) rms_norm(ctx, fold->x.x, fold->x.w, 1, a.H, fold->eps, fold->m);
+    qmm(ctx, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
+  }
   if (decode && ctx.opts.on(Opt::route_fused)) {  // the routing runs inside the gate+up kernel
     moe_decode(ctx, a, w, m, r, logits, out, resid);
     return;
@@ -930,12 +945,25 @@ void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* o
   run_moe(ctx, a, w, m, out, nullptr);
 }
 
-void moe_residual(Ctx& ctx, float* x, const bf16* d, const float* nw, float eps, const MoeArgs& a,
+void moe_residual(Ctx& ctx, float* x, const QMatrix& W_o, const bf16* y, const float* nw, float eps, const MoeArgs& a,
                   const MoeWeights& w, bf16* m, bf16* out) {
   check_moe_args(a, w, m, out);
+  LILY_CHECK(W_o.N == a.H, "moe_residual: the output projection has ", W_o.N, " rows, not H=", a.H);
   if (a.T == 0) return;
-  LILY_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0, "moe_residual: x must be 16-byte aligned");
-  add_rms_norm(ctx, x, d, nw, a.T, a.H, eps, m);  // x ← x + d;  m = rms_norm(x)·nw
+  LILY_CHECK(aligned(x, 16), "moe_residual: x must be 16-byte aligned");
+  if (a.T == 1 && ctx.opts.on(Opt::norm_fold)) {
+    const Parts<2> np = norm_parts(kNormMaxParts, a.H);
+    void* buf = ctx.scratch(kSlotNormParts, np.bytes);
+    // x ← x + y·W_oᵀ, with x ⊙ nw and Σx² by block for the router
+    const NormParts post = qmv_residual(ctx, W_o, y, x, nw, np.at<bf16>(buf, kNormXw), np.at<float>(buf, kNormParts));
+    if (post.n) {
+      const Fold fold{post, eps, m};
+      run_moe(ctx, a, w, m, out, x, &fold);  // m by the router; x ← x + MoE(m), added by the last kernel
+      return;
+    }
+  }
+  qmm(ctx, W_o, y, a.T, out, false);              // d = y·W_oᵀ
+  add_rms_norm(ctx, x, out, nw, a.T, a.H, eps, m);  // x ← x + d;  m = rms_norm(x)·nw
   run_moe(ctx, a, w, m, out, x);                    // x ← x + MoE(m), added by the last kernel
 }
 

@@ -18,6 +18,26 @@ void add_rms_norm(Ctx& ctx, float* x, const bf16* d, const float* w, int T, int 
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
 void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32);
 bool qmv_takes(const Ctx& ctx, const QMatrix& W, int T);
+
+// Switch norm_fold: what the kernel that updated one token's residual row x (fp32 [H]) left for the norm with weight
+// w: the partial sums of x² over blocks of its elements (parts[n]) and xw = x ⊙ w (bf16 [H]). With them a GEMV
+// applies rms_norm(x)·w without a norm kernel: rms_norm(x)·w · Wᵀ = r · (xw · Wᵀ), r = 1 / sqrt(Σ parts / H + eps)
+// one scalar. n = 0: none left.
+struct NormParts {
+  const float* x = nullptr;
+  const float* parts = nullptr;
+  int n = 0;
+  const float* w = nullptr;
+  const bf16* xw = nullptr;
+};
+// Partial sums a producer may leave (its blocks): the launchers' buffers hold this many.
+constexpr int kNormMaxParts = 512;
+// qmv.cu, switch norm_fold (T = 1): y_i = (rms_norm(x.x)·x.w) · W_iᵀ on the streaming GEMV, the norm folded in; m, if
+// set, also gets rms_norm(x.x)·x.w (bf16 [K]). False (nothing launched) where the streaming kernel does not take W.
+bool qmv_fold(Ctx& ctx, const QMatrix* Ws, int n, const NormParts& x, float eps, void* const* ys, bool y_f32, bf16* m);
+// qmv.cu (T = 1): x += y · Wᵀ (x fp32 [W.N]), xw = x ⊙ w (bf16), each block's Σx² over its rows into ss; the parts,
+// or none (nothing launched) where the GEMV would take more than kNormMaxParts blocks.
+NormParts qmv_residual(Ctx& ctx, const QMatrix& W, const bf16* y, float* x, const float* w, bf16* xw, float* ss);
 // qmm.cu: any T; what qmv_takes goes to qmv, larger T to the tile GEMMs (N/256 blocks of 64 tokens at the least:
 // latency-bound for a short tail, 32 µs for the 8 MB of an 8192 × 2048 projection at T = 14 on the H200).
 void qmm(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32);
@@ -49,9 +69,11 @@ void gdn_norm(Ctx& ctx, const GdnArgs& a, const bf16* y, const bf16* z, const fl
 
 // moe.cu
 void moe(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, bf16* out);
-// Backend::moe_residual: x += d; m = rms_norm(x)·nw; x += moe(m), the MoE result added in fp32 by the last kernel
-// (down or combine) instead of going through a bf16 buffer and another add.
-void moe_residual(Ctx& ctx, float* x, const bf16* d, const float* nw, float eps, const MoeArgs& a,
+// Backend::moe_residual: x += y·W_oᵀ; m = rms_norm(x)·nw; x += moe(m), the MoE result added in fp32 by the last kernel
+// (down or combine) instead of going through a bf16 buffer and another add. Switch norm_fold, one token: the
+// projection's GEMV adds into x and leaves its NormParts for nw (qmv_residual), and the router folds the norm in
+// (qmv_fold, writing m): no norm kernel.
+void moe_residual(Ctx& ctx, float* x, const QMatrix& W_o, const bf16* y, const float* nw, float eps, const MoeArgs& a,
                   const MoeWeights& w, bf16* m, bf16* out);
 
 // sample.cu: token selection on the device (the rules of core/sample.h), for the parameters that

@@ -35,9 +35,16 @@
 //          the switch off (H200, v14). Removed in session 42 (benchmarks/NOTES.md): the build without its code
 //          decoded 0.4 % faster at 4K than the build with it (H200, v18). Also tried and removed: the post-mixer
 //          residual add and norm in the router the same way (+0.6 %, NOTES.md v14).
-//          v6 (current, 2026-12-05) qmv_dp4a (switch): one token's dot products (both kernels) on dp4a, x staged in
+//          v6 (2026-12-05) qmv_dp4a (switch): one token's dot products (both kernels) on dp4a, x staged in
 //          16-bit fixed point per code chunk (x16.cuh: exact for every element within 2^7 of its chunk's largest),
 //          ~0.75 instructions per 4-bit code instead of ~2.4.
+//          v7 (current, 2026-12-06) norm_fold (switch): a decode token's RMSNorm folded in without computing it here.
+//          rms_norm(x)·w·Wᵀ = r·((x ⊙ w)·Wᵀ) with r = 1/sqrt(mean(x²) + eps) one scalar, so the streaming kernel
+//          stages x ⊙ w and scales its sums by r. Both come from the kernel that updated x (qmv_kernel<…, RESID>:
+//          the mixer's output projection adding into the residual): x ⊙ w in bf16, and Σx² per block, which the
+//          GEMV's last warp sums while the others stage. Unlike v5 no block reduces x itself. Used for the router
+//          (moe.cu); the input projections' norm folded the same way measured +0.4 % (benchmarks/NOTES.md, session
+//          43: the norm kernel lets the GEMV's blocks onto the SMs early).
 #include <utility>
 
 #include "backend/cuda/gemm.cuh"
@@ -77,6 +84,21 @@ struct QmvParams {
   int split_log;       // log2 of the warps sharing one row set (K split)
   int rows;            // rows of all matrices together
   bool y_f32;
+  // Switch norm_fold, qmv_stream_kernel<…, FOLD>: the GEMV of rms_norm(xf)·nw with x = xf ⊙ nw (bf16, written by
+  // the kernel that last updated xf): every dot product scaled by r = 1 / sqrt(Σ parts / K + eps), parts[nparts]
+  // that kernel's per-block Σxf². m, if set, gets rms_norm(xf)·nw (bf16 [K]).
+  const float* parts;
+  int nparts;
+  float eps;
+  const float* xf;
+  const float* nw;
+  bf16* m;
+  // qmv_kernel<…, RESID> (T = 1, one matrix): resid += y (fp32 [N]) instead of writing y, xw = resid ⊙ w (bf16),
+  // and block b's Σ resid² over its rows to ss[b].
+  float* resid;
+  const float* w;
+  bf16* xw;
+  float* ss;
 };
 
 // float4 slot of element e (e % 4 == 0) in a swizzled fp32 x row: rows of 32 floats, slot (e/4 mod 8) XOR (row mod 8).
@@ -121,12 +143,36 @@ __device__ __forceinline__ void stage_x(const QmvParams& p, float4* xs, float* x
   }
 }
 
+// Switch norm_fold: r = 1 / sqrt(mean(xf²) + eps) from the producer's partial sums, by the block's last warp (all
+// its loads in flight at once), into *r (read after the block's next barrier). Every block sums in the same order.
+__device__ __forceinline__ void fold_scale(const QmvParams& p, float* r) {
+  if (threadIdx.x < blockDim.x - 32) return;
+  const int lane = threadIdx.x & 31;
+  float v[kNormMaxParts / 32];
+#pragma unroll
+  for (int j = 0; j < kNormMaxParts / 32; ++j) v[j] = lane + 32 * j < p.nparts ? p.parts[lane + 32 * j] : 0.0f;
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kNormMaxParts / 32; ++j) s += v[j];
+  s = warp_sum(s);
+  if (lane == 0) *r = 1.0f / sqrtf(s / float(p.K) + p.eps);
+}
+
+// Switch norm_fold's producer: the sum over warp 0 of its lanes' ss (the rows of the block are warp 0's) to *out.
+__device__ __forceinline__ void warp0_parts(float ss, float* out) {
+  if (threadIdx.x >= 32) return;
+  ss = warp_sum(ss);
+  if (threadIdx.x == 0) *out = ss;
+}
+
 // ---- switch qmv_dp4a: x staged in 16-bit fixed point (x16.cuh), the dot products on dp4a (T = 1) -----------------
 // X16 (switch qmv_dp4a, T = 1): x staged as x16 (x16.cuh), the dot products on dp4a.
-template <int BITS, int T, bool X16 = false>
+// RESID (T = 1): p.resid += y, p.xw = p.resid ⊙ p.w, and the block's Σ resid² to p.ss (norm_fold's producer).
+template <int BITS, int T, bool X16 = false, bool RESID = false>
 __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
   using Q = QCodes<BITS>;
   static_assert(!X16 || T == 1, "x16 staging holds one row");
+  static_assert(!RESID || T == 1, "the residual add takes one row");
   constexpr int kEpc = 128 / BITS;           // codes per 16-byte chunk
   constexpr int kPW = Q::kPerWord;           // codes per word
   constexpr int kUnroll = T <= 2 ? 2 : 1;    // warp steps whose loads are issued together
@@ -239,10 +285,17 @@ __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
     }
   };
 
+  // RESID: thread i < rows_per_block adds into row i of the block; its norm weight before the wait, x after it
+  const int rn = block * rows_per_block + threadIdx.x;
+  const bool rrow = RESID && threadIdx.x < rows_per_block && rn < sg.N;
+  float r_w = 0.0f, r_x = 0.0f;
+
   const int first = sp * 32;
   pdl_trigger();
   if (active) load(first);  // the weight stream starts before x is staged (and before the previous kernel is done)
+  if (rrow) r_w = __ldg(p.w + rn);
   pdl_wait();
+  if (rrow) r_x = p.resid[rn];
 
   if constexpr (X16)
     stage_x16<BITS>(p.x, p.chunks, xi, xsum, xd);
@@ -266,6 +319,7 @@ __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
     }
   __syncthreads();
 
+  float ss = 0.0f;  // RESID
   for (int i = threadIdx.x; i < rows_per_block * T; i += blockDim.x) {
     const int t = i / rows_per_block, lr = i - t * rows_per_block;  // consecutive threads, consecutive rows
     const int n = block * rows_per_block + lr;
@@ -273,11 +327,18 @@ __global__ void __launch_bounds__(kWarps * 32) qmv_kernel(const QmvParams p) {
     const int g = lr / kRows, r = lr - g * kRows;
     float v = 0.0f;
     for (int s = 0; s < split; ++s) v += red[(g << p.split_log) + s][r * T + t];
-    if (p.y_f32)
+    if constexpr (RESID) {  // T = 1, rows_per_block ≤ 32: i is this thread's row rn
+      v += r_x;  // x ← x + y
+      p.resid[n] = v;
+      p.xw[n] = __float2bfloat16(v * r_w);
+      ss += v * v;
+    } else if (p.y_f32) {
       static_cast<float*>(sg.y)[size_t(t) * sg.N + n] = v;
-    else
+    } else {
       static_cast<bf16*>(sg.y)[size_t(t) * sg.N + n] = __float2bfloat16(v);
+    }
   }
+  if constexpr (RESID) warp0_parts(ss, p.ss + blockIdx.x);  // rows_per_block·T ≤ 32: warp 0's threads
 }
 
 // ---- the streaming decode GEMV (switch qmv_stream): T = 1 ---------------------------------------------------------
@@ -295,7 +356,8 @@ struct StreamUnit {
   uint16_t s[RPU][CPL], b[RPU][CPL];
 };
 
-template <int BITS, int CPL, bool X16>
+// FOLD (switch norm_fold): x = xf ⊙ nw, the sums scaled by r (fold_scale); p.m, if set, ← rms_norm(xf)·nw.
+template <int BITS, int CPL, bool X16, bool FOLD = false>
 __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_stream_kernel(const QmvParams p) {
   using Q = QCodes<BITS>;
   constexpr int kEpc = 128 / BITS, kPW = Q::kPerWord, RPU = 4 / CPL;
@@ -304,6 +366,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
   float* xsum = X16 ? reinterpret_cast<float*>(xs + C * kX16Slots<BITS>) : reinterpret_cast<float*>(xs + p.K / 4);
   float* xd = xsum + C;
   uint4* xi = reinterpret_cast<uint4*>(xs);
+  __shared__ float r_fold;  // FOLD
   const int lane = threadIdx.x & 31;
   const int warps = gridDim.x * kStreamWarps, units = p.rows / RPU;
   int u = blockIdx.x * kStreamWarps + (threadIdx.x >> 5);
@@ -366,7 +429,8 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
     }
 #pragma unroll
     for (int r = 0; r < RPU; ++r) {
-      const float v = warp_sum(acc[r]);
+      float v = warp_sum(acc[r]);
+      if constexpr (FOLD) v *= r_fold;
       if (lane == 0) {
         int n;
         const QmvSeg& sg = locate_row(p, RPU * unit + r, n);
@@ -382,12 +446,22 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
   pdl_trigger();
   if (u < units) load(u, A);  // the weight stream starts before the previous kernel is done
   pdl_wait();
+  // FOLD with m: this thread's share of the normed row (the router's m, for the experts), loaded now, stored at the end
+  const int mi = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool m_here = FOLD && p.m && mi < p.K && gridDim.x * blockDim.x >= p.K;
+  float m_x = 0.0f, m_w = 0.0f;
+  if (m_here) m_x = p.xf[mi], m_w = p.nw[mi];
   if constexpr (X16) {
     stage_x16<BITS>(p.x, p.chunks, xi, xsum, xd);
   } else {
     stage_x<BITS, 1>(p, xs, xsum);
   }
+  if constexpr (FOLD) fold_scale(p, &r_fold);
   __syncthreads();
+  if constexpr (FOLD) {
+    if (p.m && gridDim.x * blockDim.x < p.K)  // more elements than threads: a grid-stride pass now
+      for (int i = mi; i < p.K; i += gridDim.x * blockDim.x) p.m[i] = __float2bfloat16(p.xf[i] * r_fold * p.nw[i]);
+  }
   while (u < units) {  // two units per trip, so that A and B swap roles without run-time register indexing
     const int u1 = u + warps;
     if (u1 < units) load(u1, B);
@@ -398,6 +472,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, kStreamBlocksPerSm) qmv_str
     compute(u1, B);
     u = u2;
   }
+  if (m_here) p.m[mi] = __float2bfloat16(m_x * r_fold * m_w);
 }
 
 // ---- the tensor-core GEMV (switch qmv_mma): kQmvMaxT < T ≤ kQmvShortMaxT ------------------------------------------
@@ -568,7 +643,7 @@ void launch_t(const Ctx& ctx, const QmvParams& p, int T, int grid, size_t smem, 
 QmvParams qmv_params(const QMatrix* Ws, int n, const bf16* x, void* const* ys, bool y_f32) {
   const QMatrix& W = Ws[0];
   const int epc = 128 / W.bits;
-  QmvParams p;
+  QmvParams p{};  // the fields a launch does not use stay null
   p.nseg = n;
   p.x = x;
   p.K = W.K;
@@ -603,6 +678,7 @@ void qmv_mma(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* con
 // spill at CPL 4 and stay with qmv_kernel, which splits them over 4 warps) and every matrix in whole units of 4/CPL
 // rows (all the real projections). Launches it and returns true, or returns false.
 bool launch_stream(Ctx& ctx, const QMatrix* Ws, int n, const QmvParams& p, size_t smem) {
+  const bool fold = p.xf != nullptr;
   const int bits = Ws[0].bits, cpl = p.chunks / 32, rpu = cpl >= 1 && cpl <= 4 ? 4 / cpl : 0;
   bool takes = p.chunks % 32 == 0 && rpu > 0 && (cpl == 1 || cpl == 2 || (cpl == 4 && bits == 8));
   for (int i = 0; i < n; ++i) takes = takes && Ws[i].N % rpu == 0;
@@ -615,7 +691,8 @@ bool launch_stream(Ctx& ctx, const QMatrix* Ws, int n, const QmvParams& p, size_
     constexpr int BITS = decltype(bits_c)::value;
     auto go = [&](auto cpl_c) {
       constexpr int CPL = decltype(cpl_c)::value;
-      auto kernel = x16 ? qmv_stream_kernel<BITS, CPL, true> : qmv_stream_kernel<BITS, CPL, false>;
+      auto kernel = x16 ? (fold ? qmv_stream_kernel<BITS, CPL, true, true> : qmv_stream_kernel<BITS, CPL, true>)
+                        : (fold ? qmv_stream_kernel<BITS, CPL, false, true> : qmv_stream_kernel<BITS, CPL, false>);
       if (smem > 48 * 1024) allow_smem(ctx, kernel, smem);
       launch(ctx, kernel, blocks, kStreamWarps * 32, smem, p);
     };
@@ -631,16 +708,9 @@ bool launch_stream(Ctx& ctx, const QMatrix* Ws, int n, const QmvParams& p, size_
 }
 
 
-// T ≤ kQmvMaxT: qmv_kernel, or qmv_stream_kernel for one token.
-void qmv_simt(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
-  const QMatrix& W = Ws[0];
-  QmvParams p = qmv_params(Ws, n, x, ys, y_f32);
-  const size_t smem = stage_bytes(p, T);
-  LILY_CHECK(smem + red_bytes(T) <= ctx.smem_optin, "qmv: staging x for T=", T, ", K=", W.K, " needs ", smem,
-             " bytes of shared memory, over the device's ", ctx.smem_optin);
-  if (T == 1 && ctx.opts.on(Opt::qmv_stream) && launch_stream(ctx, Ws, n, p, smem)) return;
-
-  // Split K across warps while the grid is short of ~16 warps per SM and every lane keeps a whole chunk.
+// qmv_kernel's grid: K split across warps while the grid is short of ~16 warps per SM and every lane keeps a whole
+// chunk (p.split_log), each matrix's first block (p.seg[i].block0). Returns the blocks.
+int plan_grid(const Ctx& ctx, const QMatrix* Ws, int n, QmvParams& p) {
   int64_t row_warps = 0;
   for (int i = 0; i < n; ++i) row_warps += cdiv(Ws[i].N, kRows);
   while (p.split_log < 3 && (64 << p.split_log) <= p.chunks && (row_warps << p.split_log) < 16 * ctx.num_sms)
@@ -650,10 +720,35 @@ void qmv_simt(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* co
     p.seg[i].block0 = int(grid);
     grid += cdiv(Ws[i].N, (kWarps >> p.split_log) * kRows);
   }
+  return int(grid);
+}
+
+size_t checked_stage_bytes(const Ctx& ctx, const QmvParams& p, int T) {
+  const size_t smem = stage_bytes(p, T);
+  LILY_CHECK(smem + red_bytes(T) <= ctx.smem_optin, "qmv: staging x for T=", T, ", K=", p.K, " needs ", smem,
+             " bytes of shared memory, over the device's ", ctx.smem_optin);
+  return smem;
+}
+
+// T ≤ kQmvMaxT: qmv_kernel, or qmv_stream_kernel for one token.
+void qmv_simt(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
+  const QMatrix& W = Ws[0];
+  QmvParams p = qmv_params(Ws, n, x, ys, y_f32);
+  const size_t smem = checked_stage_bytes(ctx, p, T);
+  if (T == 1 && ctx.opts.on(Opt::qmv_stream) && launch_stream(ctx, Ws, n, p, smem)) return;
+  const int grid = plan_grid(ctx, Ws, n, p);
   dispatch_bits(W.bits, [&](auto bits) {
-    launch_t<decltype(bits)::value>(ctx, p, T, int(grid), smem, std::make_integer_sequence<int, kQmvMaxT>{});
+    launch_t<decltype(bits)::value>(ctx, p, T, grid, smem, std::make_integer_sequence<int, kQmvMaxT>{});
   });
   check_launch("qmv");
+}
+
+// backend/checks.h's rules, then this file's index width.
+void check_args(const QMatrix* Ws, int n, const void* x, int T, int max_T, void* const* ys) {
+  check_qmv(Ws, n, x, T, max_T, ys);
+  for (int i = 0; i < n; ++i)
+    LILY_CHECK(int64_t(Ws[i].N) * Ws[0].K * Ws[0].bits / 128 < (int64_t(1) << 31), "qmv: W (", Ws[i].N, "×",
+               Ws[0].K, ") has too many 16-byte chunks for 32-bit indexing");
 }
 
 }  // namespace
@@ -661,10 +756,7 @@ void qmv_simt(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* co
 bool qmv_takes(const Ctx& ctx, const QMatrix& W, int T) { return T <= kQmvMaxT || mma_applies(ctx, W, T); }
 
 void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* const* ys, bool y_f32) {
-  check_qmv(Ws, n, x, T, mma_applies(ctx, Ws[0], T) ? kQmvShortMaxT : kQmvMaxT, ys);  // backend/checks.h
-  for (int i = 0; i < n; ++i)  // this file's index width
-    LILY_CHECK(int64_t(Ws[i].N) * Ws[0].K * Ws[0].bits / 128 < (int64_t(1) << 31), "qmv: W (", Ws[i].N, "×",
-               Ws[0].K, ") has too many 16-byte chunks for 32-bit indexing");
+  check_args(Ws, n, x, T, mma_applies(ctx, Ws[0], T) ? kQmvShortMaxT : kQmvMaxT, ys);
   if (T > kQmvMaxT)
     qmv_mma(ctx, Ws, n, x, T, ys, y_f32);
   else
@@ -673,6 +765,36 @@ void qmv_multi(Ctx& ctx, const QMatrix* Ws, int n, const bf16* x, int T, void* c
 
 void qmv(Ctx& ctx, const QMatrix& W, const bf16* x, int T, void* y, bool y_f32) {
   qmv_multi(ctx, &W, 1, x, T, &y, y_f32);
+}
+
+bool qmv_fold(Ctx& ctx, const QMatrix* Ws, int n, const NormParts& x, float eps, void* const* ys, bool y_f32,
+              bf16* m) {
+  if (!ctx.opts.on(Opt::qmv_stream)) return false;
+  check_args(Ws, n, x.xw, 1, kQmvMaxT, ys);
+  LILY_CHECK(x.parts && x.n > 0 && x.n <= kNormMaxParts, "qmv_fold: ", x.n, " partial sums, 1 to ", kNormMaxParts);
+  QmvParams p = qmv_params(Ws, n, x.xw, ys, y_f32);
+  p.parts = x.parts, p.nparts = x.n, p.eps = eps, p.xf = x.x, p.nw = x.w, p.m = m;
+  return launch_stream(ctx, Ws, n, p, checked_stage_bytes(ctx, p, 1));
+}
+
+NormParts qmv_residual(Ctx& ctx, const QMatrix& W, const bf16* y, float* x, const float* w, bf16* xw, float* ss) {
+  void* const xv = x;
+  check_args(&W, 1, y, 1, kQmvMaxT, &xv);
+  QmvParams p = qmv_params(&W, 1, y, &xv, false);
+  p.resid = x, p.w = w, p.xw = xw, p.ss = ss;
+  const size_t smem = checked_stage_bytes(ctx, p, 1);
+  const int grid = plan_grid(ctx, &W, 1, p);
+  if (grid > kNormMaxParts) return {};
+  dispatch_bits(W.bits, [&](auto bits) {
+    constexpr int BITS = decltype(bits)::value;
+    const bool x16 = ctx.opts.on(Opt::qmv_dp4a);
+    auto kernel = x16 ? qmv_kernel<BITS, 1, true, true> : qmv_kernel<BITS, 1, false, true>;
+    const size_t bytes = x16 ? stage_x16_bytes(p) : smem;
+    if (bytes + red_bytes(1) > 48 * 1024) allow_smem(ctx, kernel, bytes);
+    launch(ctx, kernel, grid, kWarps * 32, bytes, p);
+  });
+  check_launch("qmv_residual");
+  return {x, ss, grid, w, xw};
 }
 
 }  // namespace lily::cuda
