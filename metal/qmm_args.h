@@ -1,6 +1,6 @@
 // qmm_args.h: the args structs and tile constants of metal/qmv.metal (GEMV) and metal/qmm.metal (GEMM, grouped
-// expert GEMM), shared by those kernels and their launcher csrc/backend/metal/qmm.cpp. Plain int fields only, so the
-// layout is the same in MSL and C++.
+// expert GEMM), shared by those kernels and their launcher csrc/backend/metal/qmm.cpp. Plain 4-byte fields only, so
+// the layout is the same in MSL and C++.
 #pragma once
 
 // GEMV (qmv.metal): a threadgroup of kQmvSimdgroups simdgroups, each owning kQmvRows weight rows; x is staged in
@@ -24,6 +24,8 @@ struct QmvArgs {
   int y_f32;            // 1: the y buffers are fp32, else bf16 bits
   int N[kQmvMaxSegs];   // rows of matrix i
   int tg0[kQmvMaxSegs]; // first threadgroup of matrix i
+  int nparts;           // qmv_fold: partial sums of x² in parts
+  float eps;            // qmv_fold: the RMSNorm epsilon
 };
 
 // GEMM (qmm.metal): a threadgroup of 4 simdgroups computes a BM × kQmmBN tile of y (BM = 16 or 32 token rows,

@@ -20,7 +20,8 @@
 // Checks   bits 4|8; group 32|64|128; K % group == 0; W.E == 1; 16-byte aligned W and x; N·chunks < 2^31.
 //          Scales may be negative.
 // Ref      cpu/qmm.cpp (qmv, qmm) · Test tests/ops/cases.py op="qmm" (T ≤ 8), op="qmm_multi"; tests/metal (harness)
-// History  v1 (this)
+// History  v1 · v2 (2026-12-06) qmv_resid and qmv_fold, the port of CUDA's switch norm_fold (qmv.cu v7): a decode
+//          token's post-mixer residual add in the output projection's GEMV, its RMSNorm folded into the router's.
 #include "common.h"
 #include "qmm_args.h"
 
@@ -30,53 +31,27 @@ inline int xslot(int e) {
   return row * 8 + (((e >> 2) ^ row) & 7);
 }
 
+// The sums Σ_k W[n, k]·x[t, k] of a simdgroup's kQmvRows rows n0.. of one matrix, each lane's share (simd_sum
+// completes them). Every thread of the threadgroup calls it: it stages x in slabs between threadgroup barriers.
+template <int T>
+struct QmvAcc {
+  float v[kQmvRows][T];
+};
+
 template <int BITS, int T>
-[[kernel]] void qmv(
-    constant QmvArgs& args [[buffer(0)]],
-    device const ushort* x [[buffer(1)]],
-    device const uint* w0 [[buffer(2)]],
-    device const ushort* s0 [[buffer(3)]],
-    device const ushort* b0 [[buffer(4)]],
-    device ushort* y0 [[buffer(5)]],
-    device const uint* w1 [[buffer(6)]],
-    device const ushort* s1 [[buffer(7)]],
-    device const ushort* b1 [[buffer(8)]],
-    device ushort* y1 [[buffer(9)]],
-    device const uint* w2 [[buffer(10)]],
-    device const ushort* s2 [[buffer(11)]],
-    device const ushort* b2 [[buffer(12)]],
-    device ushort* y2 [[buffer(13)]],
-    device const uint* w3 [[buffer(14)]],
-    device const ushort* s3 [[buffer(15)]],
-    device const ushort* b3 [[buffer(16)]],
-    device ushort* y3 [[buffer(17)]],
-    threadgroup float* xs [[threadgroup(0)]],
-    uint tg [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+inline QmvAcc<T> qmv_sums(constant QmvArgs& args, device const ushort* x, device const uint* w,
+                          device const ushort* sc, device const ushort* bi, int N, int n0, threadgroup float* xs,
+                          uint tid, uint lane) {
   constexpr int EPC = 128 / BITS;  // codes per 16-byte chunk
   constexpr int PW = 32 / BITS;    // codes per word
-
-  // The matrix this threadgroup works on.
-  int si = 0;
-  for (int i = 1; i < args.nseg; ++i)
-    if (int(tg) >= args.tg0[i]) si = i;
-  device const uint* w = si == 0 ? w0 : si == 1 ? w1 : si == 2 ? w2 : w3;
-  device const ushort* sc = si == 0 ? s0 : si == 1 ? s1 : si == 2 ? s2 : s3;
-  device const ushort* bi = si == 0 ? b0 : si == 1 ? b1 : si == 2 ? b2 : b3;
-  device ushort* y = si == 0 ? y0 : si == 1 ? y1 : si == 2 ? y2 : y3;
-  const int N = args.N[si];
-  const int n0 = (int(tg) - args.tg0[si]) * kQmvRowsPerGroup + int(sg) * kQmvRows;
-
   const int K = args.K, KS = args.KS;
   device const uint4* w4 = (device const uint4*)w;
   int row[kQmvRows];  // rows past N repeat row N-1; their sums are never stored
   for (int r = 0; r < kQmvRows; ++r) row[r] = min(n0 + r, N - 1);
 
-  float acc[kQmvRows][T];
+  QmvAcc<T> acc;
   for (int r = 0; r < kQmvRows; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
+    for (int t = 0; t < T; ++t) acc.v[r][t] = 0.0f;
 
   threadgroup float4* xs4 = (threadgroup float4*)xs;  // [T][KS/4], swizzled
   for (int k0 = 0; k0 < K; k0 += KS) {
@@ -134,13 +109,53 @@ template <int BITS, int T>
         }
       }
       for (int r = 0; r < kQmvRows; ++r)
-        for (int t = 0; t < T; ++t) acc[r][t] = fma(s[r], d[r][t], fma(b[r], xsum[t], acc[r][t]));  // s·Σq·x + b·Σx
+        for (int t = 0; t < T; ++t)
+          acc.v[r][t] = fma(s[r], d[r][t], fma(b[r], xsum[t], acc.v[r][t]));  // s·Σq·x + b·Σx
     }
   }
+  return acc;
+}
+
+template <int BITS, int T>
+[[kernel]] void qmv(
+    constant QmvArgs& args [[buffer(0)]],
+    device const ushort* x [[buffer(1)]],
+    device const uint* w0 [[buffer(2)]],
+    device const ushort* s0 [[buffer(3)]],
+    device const ushort* b0 [[buffer(4)]],
+    device ushort* y0 [[buffer(5)]],
+    device const uint* w1 [[buffer(6)]],
+    device const ushort* s1 [[buffer(7)]],
+    device const ushort* b1 [[buffer(8)]],
+    device ushort* y1 [[buffer(9)]],
+    device const uint* w2 [[buffer(10)]],
+    device const ushort* s2 [[buffer(11)]],
+    device const ushort* b2 [[buffer(12)]],
+    device ushort* y2 [[buffer(13)]],
+    device const uint* w3 [[buffer(14)]],
+    device const ushort* s3 [[buffer(15)]],
+    device const ushort* b3 [[buffer(16)]],
+    device ushort* y3 [[buffer(17)]],
+    threadgroup float* xs [[threadgroup(0)]],
+    uint tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  // The matrix this threadgroup works on.
+  int si = 0;
+  for (int i = 1; i < args.nseg; ++i)
+    if (int(tg) >= args.tg0[i]) si = i;
+  device const uint* w = si == 0 ? w0 : si == 1 ? w1 : si == 2 ? w2 : w3;
+  device const ushort* sc = si == 0 ? s0 : si == 1 ? s1 : si == 2 ? s2 : s3;
+  device const ushort* bi = si == 0 ? b0 : si == 1 ? b1 : si == 2 ? b2 : b3;
+  device ushort* y = si == 0 ? y0 : si == 1 ? y1 : si == 2 ? y2 : y3;
+  const int N = args.N[si];
+  const int n0 = (int(tg) - args.tg0[si]) * kQmvRowsPerGroup + int(sg) * kQmvRows;
+  const QmvAcc<T> acc = qmv_sums<BITS, T>(args, x, w, sc, bi, N, n0, xs, tid, lane);
 
   for (int r = 0; r < kQmvRows; ++r)
     for (int t = 0; t < T; ++t) {
-      const float v = simd_sum(acc[r][t]);
+      const float v = simd_sum(acc.v[r][t]);
       if (lane == 0 && n0 + r < N) {
         if (args.y_f32)
           ((device float*)y)[t * N + n0 + r] = v;
@@ -148,6 +163,91 @@ template <int BITS, int T>
           y[t * N + n0 + r] = float_to_bf16(v);
       }
     }
+}
+
+// Switch norm_fold's producer (one token, one matrix): x += W·y (fp32 x [N]) instead of writing y, xw = x ⊙ nw (bf16),
+// and the threadgroup's Σx² over its rows to parts[tg].
+template <int BITS>
+[[kernel]] void qmv_resid(
+    constant QmvArgs& args [[buffer(0)]],
+    device const ushort* y [[buffer(1)]],
+    device const uint* w [[buffer(2)]],
+    device const ushort* sc [[buffer(3)]],
+    device const ushort* bi [[buffer(4)]],
+    device float* x [[buffer(5)]],
+    device const float* nw [[buffer(6)]],
+    device ushort* xw [[buffer(7)]],
+    device float* parts [[buffer(8)]],
+    threadgroup float* xs [[threadgroup(0)]],
+    uint tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float ssg[kQmvSimdgroups];
+  const int N = args.N[0], n0 = int(tg) * kQmvRowsPerGroup + int(sg) * kQmvRows;
+  const QmvAcc<1> acc = qmv_sums<BITS, 1>(args, y, w, sc, bi, N, n0, xs, tid, lane);
+  float ss = 0.0f;
+  for (int r = 0; r < kQmvRows; ++r) {
+    const float v = simd_sum(acc.v[r][0]);
+    if (lane == 0 && n0 + r < N) {
+      const float nx = x[n0 + r] + v;  // x ← x + W·y
+      x[n0 + r] = nx;
+      xw[n0 + r] = float_to_bf16(nx * nw[n0 + r]);
+      ss += nx * nx;
+    }
+  }
+  if (lane == 0) ssg[sg] = ss;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) {
+    float s = 0.0f;
+    for (int i = 0; i < kQmvSimdgroups; ++i) s += ssg[i];
+    parts[tg] = s;
+  }
+}
+
+// Switch norm_fold's consumer (one token, one matrix): y = rms_norm(xf)·nw · Wᵀ as r·(xw · Wᵀ), with xw = xf ⊙ nw
+// (bf16, from qmv_resid) and r = 1 / sqrt(Σ parts / K + eps) from its threadgroups' partial sums of xf², which every
+// threadgroup adds in the same order; m gets rms_norm(xf)·nw (bf16 [K]), each threadgroup its share, for the kernels
+// after this one (the router's m, for the experts).
+template <int BITS>
+[[kernel]] void qmv_fold(
+    constant QmvArgs& args [[buffer(0)]],
+    device const ushort* xw [[buffer(1)]],
+    device const uint* w [[buffer(2)]],
+    device const ushort* sc [[buffer(3)]],
+    device const ushort* bi [[buffer(4)]],
+    device ushort* y [[buffer(5)]],
+    device const float* parts [[buffer(6)]],
+    device const float* xf [[buffer(7)]],
+    device const float* nw [[buffer(8)]],
+    device ushort* m [[buffer(9)]],
+    threadgroup float* xs [[threadgroup(0)]],
+    uint tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint groups [[threadgroups_per_grid]]) {
+  threadgroup float rs;
+  if (sg == 0) {
+    float s = 0.0f;
+    for (int i = int(lane); i < args.nparts; i += 32) s += parts[i];
+    s = simd_sum(s);
+    if (lane == 0) rs = 1.0f / sqrt(s / float(args.K) + args.eps);  // 1 / sqrt(mean(x²) + eps)
+  }
+  const int N = args.N[0], n0 = int(tg) * kQmvRowsPerGroup + int(sg) * kQmvRows;
+  const QmvAcc<1> acc = qmv_sums<BITS, 1>(args, xw, w, sc, bi, N, n0, xs, tid, lane);  // its barriers publish rs
+  const float r = rs;
+  for (int i = int(tg * kQmvThreads + tid); i < args.K; i += int(groups) * kQmvThreads)
+    m[i] = float_to_bf16(xf[i] * r * nw[i]);
+  for (int k = 0; k < kQmvRows; ++k) {
+    const float v = simd_sum(acc.v[k][0]) * r;
+    if (lane == 0 && n0 + k < N) {
+      if (args.y_f32)
+        ((device float*)y)[n0 + k] = v;
+      else
+        y[n0 + k] = float_to_bf16(v);
+    }
+  }
 }
 
 template [[host_name("qmv_q4_t1")]] [[kernel]] decltype(qmv<4, 1>) qmv<4, 1>;
@@ -166,3 +266,7 @@ template [[host_name("qmv_q8_t5")]] [[kernel]] decltype(qmv<8, 5>) qmv<8, 5>;
 template [[host_name("qmv_q8_t6")]] [[kernel]] decltype(qmv<8, 6>) qmv<8, 6>;
 template [[host_name("qmv_q8_t7")]] [[kernel]] decltype(qmv<8, 7>) qmv<8, 7>;
 template [[host_name("qmv_q8_t8")]] [[kernel]] decltype(qmv<8, 8>) qmv<8, 8>;
+template [[host_name("qmv_resid_q4")]] [[kernel]] decltype(qmv_resid<4>) qmv_resid<4>;
+template [[host_name("qmv_resid_q8")]] [[kernel]] decltype(qmv_resid<8>) qmv_resid<8>;
+template [[host_name("qmv_fold_q4")]] [[kernel]] decltype(qmv_fold<4>) qmv_fold<4>;
+template [[host_name("qmv_fold_q8")]] [[kernel]] decltype(qmv_fold<8>) qmv_fold<8>;

@@ -69,7 +69,7 @@ const std::vector<OptInfo>& optimisation_table() {
        "decode token selection by a cluster of 16 blocks, each id's logit read once into a register and the blocks' "
        "maxima, sums, radix histograms and candidate counts met through distributed shared memory, instead of one "
        "block passing over the logits seven times"},
-      {Opt::norm_fold, "norm_fold", "cuda",
+      {Opt::norm_fold, "norm_fold", "cuda,metal",
        "decode: the post-mixer residual add and RMSNorm folded into the GEMVs around them (the mixer's output "
        "projection adds into x and leaves x·w and per-block sums of x²; the router stages x·w and scales its dot "
        "products by the norm's 1/sqrt(mean(x²) + eps), writing m for the experts), instead of a norm kernel"},

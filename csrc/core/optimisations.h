@@ -66,10 +66,10 @@ enum class Opt : int {
   sample_cluster,    // CUDA: token selection on a cluster of 16 blocks, every logit read once into registers and the
                      //   block results met through distributed shared memory, instead of one block passing over the
                      //   logits seven times. Not on Metal (no thread-block clusters): sample_split there
-  norm_fold,         // CUDA: a decode token's post-mixer residual add and RMSNorm folded into the GEMVs around them:
-                     //   the mixer's output projection adds into x and leaves x ⊙ w and per-block Σx², and the router's
-                     //   streaming GEMV stages x ⊙ w and scales its sums by 1/sqrt(mean(x²) + eps) (writing m for the
-                     //   experts), instead of a norm kernel between them
+  norm_fold,         // CUDA, Metal: a decode token's post-mixer residual add and RMSNorm folded into the GEMVs
+                     //   around them: the mixer's output projection adds into x and leaves x ⊙ w and per-block Σx²,
+                     //   and the router's GEMV stages x ⊙ w and scales its sums by 1/sqrt(mean(x²) + eps) (writing m
+                     //   for the experts), instead of a norm kernel between them
   attn_simdgroup,    // Metal: prefill attention (from ATTN_SG_MIN_ROWS packed rows per kv head) with Q·Kᵀ and P·V
                      //   on simdgroup matrices (metal/attention.metal attn_sg) instead of scalar fp32 tiles. CUDA's
                      //   prefill attention is on tensor cores already (attention.cu attn_mma_kernel, attn_wgmma)

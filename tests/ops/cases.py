@@ -181,10 +181,11 @@ def make(case: Case, rng: np.random.Generator) -> tuple[dict, dict]:
             p["eps"] = 1e-6
             x["w"] = np.ones(H, np.float32)
             KO = d.get("KO", 2 * H)  # the mixer's width (the output projection's K)
-            q, kp = qmatrix(rng, "o", 0, H, KO, 4, std=KO ** -0.5)
+            ob = d.get("o_bits", 4)
+            q, kp = qmatrix(rng, "o", 0, H, KO, ob, std=KO ** -0.5)
             x.update(q), p.update(kp)
             x["y"] = _act(rng, (T, KO))
-            proj = x["y"].astype(np.float64) @ dequantize(x["o.w"], x["o.scales"], x["o.biases"], 4, 64).T
+            proj = x["y"].astype(np.float64) @ dequantize(x["o.w"], x["o.scales"], x["o.biases"], ob, 64).T
             scale = np.sqrt(np.mean(m.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-6)
             x["x"] = (m.astype(np.float64) * scale * rng.uniform(0.5, 2.0, size=(T, 1)) - proj).astype(np.float32)
     else:
@@ -223,7 +224,8 @@ def _traffic(c: Case) -> int:
         k = d["top_k"]
         eb, gb = d.get("bits", 4), d.get("gate_bits", 8)
         routed = min(d["E"], d["T"] * k) * (3 * qb(d["I"], d["H"], eb))
-        return qb(d["E"], d["H"], gb) + routed + 3 * qb(d["IS"], d["H"], eb) + 4 * d["T"] * d["H"]
+        proj = qb(d["H"], d.get("KO", 2 * d["H"]), d.get("o_bits", 4)) if c.op == "moe_residual" else 0
+        return qb(d["E"], d["H"], gb) + routed + 3 * qb(d["IS"], d["H"], eb) + 4 * d["T"] * d["H"] + proj
     if c.op == "attention":
         return 2 * (d["pos0"] + d["T"]) * d["NKV"] * d["HD"] * 2 + d["T"] * d["NH"] * d["HD"] * 8
     if c.op in ("gdn_scan", "gdn_conv_scan_norm"):
@@ -243,7 +245,8 @@ def _flops(c: Case) -> int:
     if c.op in ("qmm_multi", "rms_norm_qmm"):
         return 2 * d["T"] * d["K"] * sum(d["Ns"])
     if c.op in ("moe", "moe_residual"):
-        return 2 * d["T"] * (d["E"] * d["H"] + 3 * d["top_k"] * d["I"] * d["H"] + 3 * d["IS"] * d["H"])
+        proj = d["H"] * d.get("KO", 2 * d["H"]) if c.op == "moe_residual" else 0
+        return 2 * d["T"] * (d["E"] * d["H"] + 3 * d["top_k"] * d["I"] * d["H"] + 3 * d["IS"] * d["H"] + proj)
     if c.op == "attention":
         keys = d["T"] * d["pos0"] + d["T"] * (d["T"] + 1) // 2
         return 4 * d["NH"] * d["HD"] * keys
@@ -432,7 +435,7 @@ CASES = [
     Case("moe_residual", dict(T=1, H=1024, E=8, top_k=2, I=64, IS=64, gate_bits=4, KO=384), tags=("edge",)),
     Case("moe_residual", dict(T=3, H=64, E=8, top_k=2, I=64, IS=128), tags=("edge",)),
     Case("moe_residual", dict(T=130, H=128, E=16, top_k=4, I=64, IS=64), tags=("edge",)),
-    Case("moe_residual", dict(T=1, H=128, E=8, top_k=2, I=64, IS=64, bits=8, gate_bits=4), tags=("edge",)),
+    Case("moe_residual", dict(T=1, H=128, E=8, top_k=2, I=64, IS=64, bits=8, gate_bits=4, o_bits=8), tags=("edge",)),
     # the most experts per token both GPU backends take (backend/checks.h: top_k ≤ min(E, 32)): decode and prefill
     *[Case("moe", dict(T=t, H=64, E=40, top_k=32, I=64, IS=64), tags=("edge",)) for t in (3, 20)],
     # 100 rows per expert: the 128-row expert tiles (switch moe_tiles_128)

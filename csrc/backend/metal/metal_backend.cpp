@@ -97,6 +97,10 @@ class MetalBackend final : public Backend {
   void moe(const MoeArgs& a, const MoeWeights& w, const void* m, void* out) override {
     metal::moe(enc(), optimisations(), a, w, ch(m), h(out));
   }
+  void moe_residual(float* x, const QMatrix& W_o, const void* y, const float* w, float eps, const MoeArgs& a,
+                    const MoeWeights& mw, void* m, void* out) override {
+    metal::moe_residual(enc(), optimisations(), x, W_o, ch(y), w, eps, a, mw, h(m), h(out));
+  }
   bool can_sample(const SamplingParams& p, int n_valid) const override { return device_can_sample(p, n_valid); }
   void sample(const SamplingParams& p, int n_valid, const float* logits, const DeviceSampler& st) override {
     metal::sample(enc(), optimisations(), p, n_valid, logits, st);

@@ -172,10 +172,19 @@ void moe_prefill(Encoder& enc, const Optimisations& opts, const MoeArgs& a, cons
   enc.dispatch({cdiv(H, MOE_ELEMENT_THREADS), uint32_t(T), 1}, {MOE_ELEMENT_THREADS, 1, 1});
 }
 
-}  // namespace
+// Switch norm_fold: m = rms_norm(x)·nw is not computed yet; the router folds the norm in from xw = x ⊙ nw and the
+// partial sums of x² (qmv_residual's) and writes m.
+struct Fold {
+  const float* x;
+  const float* nw;
+  const uint16_t* xw;
+  const float* parts;
+  int nparts;
+  float eps;
+  uint16_t* m;
+};
 
-void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWeights& w, const uint16_t* m,
-         uint16_t* out) {
+void check_moe_args(const MoeArgs& a, const MoeWeights& w, const uint16_t* m, const uint16_t* out) {
   const std::array<MoeMatrix, 8> matrices = check_moe(a, w, m, out);  // backend/checks.h; then these kernels' rules
   LILY_CHECK(a.I % 8 == 0 && a.IS % 8 == 0, "moe: I = ", a.I, " and IS = ", a.IS, " must be multiples of 8");
   for (const MoeMatrix& mm : matrices) {
@@ -186,13 +195,19 @@ void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWei
   }
   LILY_CHECK(int64_t(a.T) * (a.top_k + 1) * std::max({a.H, a.I, a.IS, a.E}) < (int64_t(1) << 31),
              "moe: T·(top_k+1)·max(H, I, IS, E) must stay below 2^31");
-  if (a.T == 0) return;
+}
 
+// The MoE block on m into out; fold: m from the router (above).
+void run_moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWeights& w, const uint16_t* m,
+             uint16_t* out, const Fold* fold) {
   float* logits = static_cast<float*>(enc.scratch(kSlotMoeLogits, size_t(a.T) * a.E * sizeof(float)));
   const Parts<3> rp = moe_route_parts(a.T, a.top_k);
   const Route r = moe_route_at(enc.scratch(kSlotMoeRoute, rp.bytes), rp);
 
-  qmm(enc, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
+  if (fold)
+    qmv_fold(enc, w.router, fold->xw, fold->parts, fold->nparts, fold->eps, fold->x, fold->nw, logits, true, fold->m);
+  else
+    qmm(enc, w.router, m, a.T, logits, true);  // ℓ = m·W_routerᵀ (f32)
   const bool decode = decode_fits(a, w);
   if (decode && opts.on(Opt::route_fused)) {  // the routing runs inside moe_gate_up
     moe_decode(enc, a, w, m, r, logits, opts.on(Opt::route_logits), out);
@@ -213,6 +228,37 @@ void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWei
     moe_decode(enc, a, w, m, r, nullptr, false, out);
   else
     moe_prefill(enc, opts, a, w, m, r, out);
+}
+
+}  // namespace
+
+void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWeights& w, const uint16_t* m,
+         uint16_t* out) {
+  check_moe_args(a, w, m, out);
+  if (a.T == 0) return;
+  run_moe(enc, opts, a, w, m, out, nullptr);
+}
+
+void moe_residual(Encoder& enc, const Optimisations& opts, float* x, const QMatrix& W_o, const uint16_t* y,
+                  const float* nw, float eps, const MoeArgs& a, const MoeWeights& w, uint16_t* m, uint16_t* out) {
+  check_moe_args(a, w, m, out);
+  LILY_CHECK(W_o.N == a.H, "moe_residual: the output projection has ", W_o.N, " rows, not H=", a.H);
+  if (a.T == 0) return;
+  if (a.T == 1 && opts.on(Opt::norm_fold)) {
+    const int n = qmv_residual_parts(W_o);
+    const Parts<2> np = norm_parts(n, a.H);
+    void* buf = enc.scratch(kSlotNormParts, np.bytes);
+    float* parts = np.at<float>(buf, kNormParts);
+    uint16_t* xw = np.at<uint16_t>(buf, kNormXw);
+    qmv_residual(enc, W_o, y, x, nw, xw, parts);  // x ← x + y·W_oᵀ, with x ⊙ nw and Σx² by threadgroup
+    const Fold fold{x, nw, xw, parts, n, eps, m};
+    run_moe(enc, opts, a, w, m, out, &fold);  // m by the router
+  } else {
+    qmm(enc, W_o, y, a.T, out, false);              // d = y·W_oᵀ
+    add_rms_norm(enc, x, out, nw, a.T, a.H, eps, m);  // x ← x + d;  m = rms_norm(x)·nw
+    run_moe(enc, opts, a, w, m, out, nullptr);
+  }
+  add_rms_norm(enc, x, out, nw, a.T, a.H, eps, m);  // x ← x + moe(m); m, recomputed, is not used
 }
 
 }  // namespace lily::metal

@@ -25,6 +25,15 @@ void add_rms_norm(Encoder& enc, float* x, const uint16_t* d, const float* w, int
 // qmm.cpp (metal/qmv.metal, metal/qmm.metal)
 void qmm(Encoder& enc, const QMatrix& W, const uint16_t* x, int T, void* y, bool y_f32);
 void qmm_multi(Encoder& enc, const QMatrix* W, int n, const uint16_t* x, int T, uint16_t* const* y);
+// Switch norm_fold (one token), as cuda::qmv_residual and cuda::qmv_fold (ops.cuh). qmv_residual: x += y · Wᵀ
+// (x fp32 [W.N]), xw = x ⊙ w (bf16), each threadgroup's Σx² into parts; returns the threadgroups, which
+// qmv_residual_parts gives beforehand. qmv_fold: y = (rms_norm(xf)·nw) · Wᵀ from xw = xf ⊙ nw and the nparts partial
+// sums; m gets rms_norm(xf)·nw (bf16 [K]).
+int qmv_residual(Encoder& enc, const QMatrix& W, const uint16_t* y, float* x, const float* w, uint16_t* xw,
+                 float* parts);
+int qmv_residual_parts(const QMatrix& W);
+void qmv_fold(Encoder& enc, const QMatrix& W, const uint16_t* xw, const float* parts, int nparts, float eps,
+              const float* xf, const float* nw, void* y, bool y_f32, uint16_t* m);
 // Grouped expert GEMM (MoE prefill), same contract as cuda::moe_gemm (ops.cuh).
 void moe_gemm(Encoder& enc, const QMatrix& A, const QMatrix* B, const int32_t* offsets, const int32_t* rows,
               int max_rows, const uint16_t* x, uint16_t* y);
@@ -50,6 +59,10 @@ bool gdn_conv_scan_norm(Encoder& enc, const Optimisations& opts, const GdnArgs& 
 // moe.cpp (metal/moe.metal); the prefill sort is one threadgroup with the switch moe_sort_scan on
 void moe(Encoder& enc, const Optimisations& opts, const MoeArgs& a, const MoeWeights& w, const uint16_t* m,
          uint16_t* out);
+// Backend::moe_residual. Switch norm_fold, one token: the output projection's GEMV adds into x (qmv_residual) and the
+// router folds the post-mixer norm in (qmv_fold, writing m), instead of the projection, add_rms_norm and the router.
+void moe_residual(Encoder& enc, const Optimisations& opts, float* x, const QMatrix& W_o, const uint16_t* y,
+                  const float* nw, float eps, const MoeArgs& a, const MoeWeights& w, uint16_t* m, uint16_t* out);
 
 // sample.cpp (metal/sample.metal): core/sample.h's rules on the device, as cuda::sample, for the parameters that
 // backend/policy.h: device_can_sample accepts; in two dispatches with the switch sample_split, else one threadgroup.

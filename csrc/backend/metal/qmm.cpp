@@ -4,6 +4,7 @@
 // kernel's parameter order, and dispatches; nothing waits for the device.
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 #include "../../../metal/qmm_args.h"
 #include "backend/checks.h"
@@ -37,12 +38,9 @@ constexpr const char* kQmvNames[2][kQmvMaxT] = {
     {"qmv_q8_t1", "qmv_q8_t2", "qmv_q8_t3", "qmv_q8_t4", "qmv_q8_t5", "qmv_q8_t6", "qmv_q8_t7", "qmv_q8_t8"},
 };
 
-// n (1..kQmvMaxSegs) matrices of equal K, bits and group size reading the same x.
-void qmv(Encoder& enc, const QMatrix* Ws, int n, const uint16_t* x, int T, void* const* ys, bool y_f32) {
-  check_qmv(Ws, n, x, T, kQmvMaxT, ys);  // backend/checks.h; then these kernels' index width
-  for (int i = 0; i < n; ++i) check_weight(Ws[i], "qmm", "W");
+// The args of n (1..kQmvMaxSegs) matrices of equal K, bits and group size reading the same x; the threadgroups.
+QmvArgs qmv_args(const QMatrix* Ws, int n, int T, bool y_f32, int64_t& groups) {
   const QMatrix& W = Ws[0];
-
   QmvArgs a{};
   a.K = W.K;
   a.chunks = W.K * W.bits / 128;
@@ -51,13 +49,22 @@ void qmv(Encoder& enc, const QMatrix* Ws, int n, const uint16_t* x, int T, void*
   a.KS = std::min(W.K, std::max(32, kQmvXFloats / T / 32 * 32));
   a.nseg = n;
   a.y_f32 = y_f32 ? 1 : 0;
-  int64_t groups = 0;
+  groups = 0;
   for (int i = 0; i < kQmvMaxSegs; ++i) {
     a.N[i] = i < n ? Ws[i].N : 0;
     a.tg0[i] = int(groups);
     if (i < n) groups += ceil_div(Ws[i].N, kQmvRowsPerGroup);
   }
+  return a;
+}
 
+// n (1..kQmvMaxSegs) matrices of equal K, bits and group size reading the same x.
+void qmv(Encoder& enc, const QMatrix* Ws, int n, const uint16_t* x, int T, void* const* ys, bool y_f32) {
+  check_qmv(Ws, n, x, T, kQmvMaxT, ys);  // backend/checks.h; then these kernels' index width
+  for (int i = 0; i < n; ++i) check_weight(Ws[i], "qmm", "W");
+  const QMatrix& W = Ws[0];
+  int64_t groups = 0;
+  const QmvArgs a = qmv_args(Ws, n, T, y_f32, groups);
   enc.kernel(kQmvNames[W.bits == 8][T - 1]);
   enc.set_args(a);
   enc.set_buffer(1, x);  // x
@@ -110,6 +117,50 @@ void qmm(Encoder& enc, const QMatrix& W, const uint16_t* x, int T, void* y, bool
   enc.set_buffer(4, W.biases);  // biases
   enc.set_buffer(5, y);         // y
   enc.dispatch({uint32_t(ceil_div(W.N, kQmmBN)), uint32_t(ceil_div(T, bm)), 1}, {kQmmThreads, 1, 1});
+}
+
+namespace {
+
+// A one-token GEMV of one matrix with its own epilogue (qmv_resid_*, qmv_fold_*): the args, x at 1, the matrix at
+// 2..4, then the kernel's other buffers from 5 in its parameter order.
+void dispatch_one(Encoder& enc, const char* kernel, const QmvArgs& a, int64_t groups, const void* x, const QMatrix& W,
+                  std::initializer_list<const void*> more) {
+  enc.kernel(kernel);
+  enc.set_args(a);
+  enc.set_buffer(1, x);
+  enc.set_buffer(2, W.w);
+  enc.set_buffer(3, W.scales);
+  enc.set_buffer(4, W.biases);
+  int i = 5;
+  for (const void* p : more) enc.set_buffer(i++, p);
+  enc.set_threadgroup_memory(0, size_t(a.KS) * sizeof(float));  // xs
+  enc.dispatch({uint32_t(groups), 1, 1}, {kQmvThreads, 1, 1});
+}
+
+}  // namespace
+
+int qmv_residual(Encoder& enc, const QMatrix& W, const uint16_t* y, float* x, const float* w, uint16_t* xw,
+                 float* parts) {
+  void* const xv = x;
+  check_qmv(&W, 1, y, 1, kQmvMaxT, &xv);
+  check_weight(W, "qmm", "W");
+  int64_t groups = 0;
+  const QmvArgs a = qmv_args(&W, 1, 1, false, groups);
+  dispatch_one(enc, W.bits == 8 ? "qmv_resid_q8" : "qmv_resid_q4", a, groups, y, W, {x, w, xw, parts});
+  return int(groups);
+}
+
+int qmv_residual_parts(const QMatrix& W) { return int(ceil_div(W.N, kQmvRowsPerGroup)); }
+
+void qmv_fold(Encoder& enc, const QMatrix& W, const uint16_t* xw, const float* parts, int nparts, float eps,
+              const float* xf, const float* nw, void* y, bool y_f32, uint16_t* m) {
+  check_qmv(&W, 1, xw, 1, kQmvMaxT, &y);
+  check_weight(W, "qmm", "W");
+  int64_t groups = 0;
+  QmvArgs a = qmv_args(&W, 1, 1, y_f32, groups);
+  a.nparts = nparts;
+  a.eps = eps;
+  dispatch_one(enc, W.bits == 8 ? "qmv_fold_q8" : "qmv_fold_q4", a, groups, xw, W, {y, parts, xf, nw, m});
 }
 
 void qmm_multi(Encoder& enc, const QMatrix* W, int n, const uint16_t* x, int T, uint16_t* const* y) {
