@@ -26,11 +26,10 @@ void add_rms_norm(Encoder& enc, float* x, const uint16_t* d, const float* w, int
 void qmm(Encoder& enc, const QMatrix& W, const uint16_t* x, int T, void* y, bool y_f32);
 void qmm_multi(Encoder& enc, const QMatrix* W, int n, const uint16_t* x, int T, uint16_t* const* y);
 // Switch norm_fold (one token), as cuda::qmv_residual and cuda::qmv_fold (ops.cuh). qmv_residual: x += y · Wᵀ
-// (x fp32 [W.N]), xw = x ⊙ w (bf16), each threadgroup's Σx² into parts; returns the threadgroups, which
-// qmv_residual_parts gives beforehand. qmv_fold: y = (rms_norm(xf)·nw) · Wᵀ from xw = xf ⊙ nw and the nparts partial
-// sums; m gets rms_norm(xf)·nw (bf16 [K]).
-int qmv_residual(Encoder& enc, const QMatrix& W, const uint16_t* y, float* x, const float* w, uint16_t* xw,
-                 float* parts);
+// (x fp32 [W.N]), xw = x ⊙ w (bf16), each threadgroup's Σx² into parts, qmv_residual_parts(W) of them. qmv_fold:
+// y = (rms_norm(xf)·nw) · Wᵀ from xw = xf ⊙ nw and the nparts partial sums; m gets rms_norm(xf)·nw (bf16 [K]).
+void qmv_residual(Encoder& enc, const QMatrix& W, const uint16_t* y, float* x, const float* w, uint16_t* xw,
+                  float* parts);
 int qmv_residual_parts(const QMatrix& W);
 void qmv_fold(Encoder& enc, const QMatrix& W, const uint16_t* xw, const float* parts, int nparts, float eps,
               const float* xf, const float* nw, void* y, bool y_f32, uint16_t* m);

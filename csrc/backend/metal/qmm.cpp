@@ -139,15 +139,14 @@ void dispatch_one(Encoder& enc, const char* kernel, const QmvArgs& a, int64_t gr
 
 }  // namespace
 
-int qmv_residual(Encoder& enc, const QMatrix& W, const uint16_t* y, float* x, const float* w, uint16_t* xw,
-                 float* parts) {
+void qmv_residual(Encoder& enc, const QMatrix& W, const uint16_t* y, float* x, const float* w, uint16_t* xw,
+                  float* parts) {
   void* const xv = x;
   check_qmv(&W, 1, y, 1, kQmvMaxT, &xv);
   check_weight(W, "qmm", "W");
   int64_t groups = 0;
   const QmvArgs a = qmv_args(&W, 1, 1, false, groups);
   dispatch_one(enc, W.bits == 8 ? "qmv_resid_q8" : "qmv_resid_q4", a, groups, y, W, {x, w, xw, parts});
-  return int(groups);
 }
 
 int qmv_residual_parts(const QMatrix& W) { return int(ceil_div(W.N, kQmvRowsPerGroup)); }
