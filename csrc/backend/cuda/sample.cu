@@ -50,8 +50,10 @@ struct SampleKernelArgs {
 __device__ __forceinline__ float processed(const SampleKernelArgs& a, int i, float raw) {
   float x = raw;
   if (a.p.repetition_penalty != 1.0f && a.st.seen[i]) x = x > 0 ? x / a.p.repetition_penalty : x * a.p.repetition_penalty;
-  const int c = a.st.counts[i];
-  if (c > 0) x -= a.p.frequency_penalty * float(c) + a.p.presence_penalty;
+  if (a.p.frequency_penalty != 0.0f || a.p.presence_penalty != 0.0f) {  // else x − 0 = x: no count is read
+    const int c = a.st.counts[i];
+    if (c > 0) x -= a.p.frequency_penalty * float(c) + a.p.presence_penalty;
+  }
   if (a.p.temperature > 0) x /= a.p.temperature;
   return x;
 }
