@@ -77,6 +77,9 @@
 //          +0.38 / −0.83 % and −0.38 / −0.17 % at 4K / 32K (H100, two sessions' A/Bs), under the 1 % bar. It lives
 //          in git history (commit 70f4a9f); Metal keeps its own form (gdn_conv_token_dk*, one threadgroup per key
 //          head, no cluster).
+//          Tried and removed (session 44, benchmarks/NOTES.md): the decode conv done by the input projections'
+//          streaming GEMV as each row's sum comes out (gdn_conv_proj, branch exp/conv-proj): −0.2 to +0.6 %, the
+//          conv's time moving into the GEMV and the scan, whose blocks then reach the SMs later.
 #include <algorithm>
 #include <type_traits>
 

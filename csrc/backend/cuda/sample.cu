@@ -24,6 +24,8 @@
 // History  v1 · v2 (2026-12-05) sample_cluster: decode +52 % / +46 % at 4K / 32K on the H100 with the real vocabulary
 //          (the benchmarks before it timed 489 ids). Tried and dropped: warp-aggregated histogram adds
 //          (__match_any_sync), level on the model and slower in ncu.
+//          v3 (2026-12-06) the generation counts read only when a frequency or presence penalty is set (the host
+//          sampler's rule): greedy 13.4 → 10.7 µs, top-k 20 / top-p 0.95 ~31.5 → ~28.5 µs (ncu, H100).
 #include <cfloat>
 
 #include <cooperative_groups.h>
