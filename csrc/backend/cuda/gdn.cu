@@ -79,7 +79,9 @@
 //          head, no cluster).
 //          Tried and removed (session 44, benchmarks/NOTES.md): the decode conv done by the input projections'
 //          streaming GEMV as each row's sum comes out (gdn_conv_proj, branch exp/conv-proj): −0.2 to +0.6 %, the
-//          conv's time moving into the GEMV and the scan, whose blocks then reach the SMs later.
+//          conv's time moving into the GEMV and the scan, whose blocks then reach the SMs later; with the scan in
+//          32-row blocks beside the GEMV and the gated norm in the output projection's staging (gdn_layer, branch
+//          exp/gdn-layer): −4 % on the H200.
 #include <algorithm>
 #include <type_traits>
 
