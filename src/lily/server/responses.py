@@ -92,10 +92,11 @@ def input_messages(value, history: list[dict]) -> list[dict]:
             reasoning = _reasoning(item, where)
             continue
         if kind == "message":
-            role = _ROLES.get(item.get("role"))
+            given = item.get("role")
+            role = _ROLES.get(given) if isinstance(given, str) else None  # a list or an object is no key
             if role is None:
                 raise RequestError(f"'{where}.role' must be user, assistant, system or developer, got "
-                                   f"{item.get('role')!r}", param=where + ".role")
+                                   f"{given!r}", param=where + ".role")
             parts = ("output_text", "refusal") if role == "assistant" else ("input_text",)
             msg = {"role": role, "content": _text(item.get("content"), where + ".content", parts)}
             if role == "assistant" and reasoning is not None:
