@@ -44,7 +44,9 @@
 //          the mixer's output projection adding into the residual): x ⊙ w in bf16, and Σx² per block, which the
 //          GEMV's last warp sums while the others stage. Unlike v5 no block reduces x itself. Used for the router
 //          (moe.cu); the input projections' norm folded the same way measured +0.4 % (benchmarks/NOTES.md, session
-//          43: the norm kernel lets the GEMV's blocks onto the SMs early).
+//          43: the norm kernel lets the GEMV's blocks onto the SMs early). Tried and removed (session 45, NOTES.md):
+//          the input projections on one block per SM that bulk-copies its whole share of the weights into shared
+//          memory before its PDL wait (qmv_stage): decode −4.4 % at 4K; the burst delays the norm kernel before it.
 #include <utility>
 
 #include "backend/cuda/gemm.cuh"
