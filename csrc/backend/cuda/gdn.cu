@@ -81,7 +81,9 @@
 //          streaming GEMV as each row's sum comes out (gdn_conv_proj, branch exp/conv-proj): −0.2 to +0.6 %, the
 //          conv's time moving into the GEMV and the scan, whose blocks then reach the SMs later; with the scan in
 //          32-row blocks beside the GEMV and the gated norm in the output projection's staging (gdn_layer, branch
-//          exp/gdn-layer): −4 % on the H200.
+//          exp/gdn-layer): −4 % on the H200. Tried and removed (session 45): the projections, conv, scan and gated
+//          norm of a decode token in one kernel of 16-block clusters per key head (gdn_cluster, branch
+//          exp/gdn-cluster): −10.6 % at 4K on the H100.
 #include <algorithm>
 #include <type_traits>
 
