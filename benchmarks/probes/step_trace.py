@@ -11,6 +11,9 @@ step. ncu times graph nodes one at a time without that overlap (`profile_step.py
 on the lent machines. Every block also records reaching its pdl_trigger, its first instructions: "lead" is the median
 over a launch's blocks of how long a block sat on its SM before block 0's wait returned (the time PDL gave its early
 loads; negative for blocks that found room only later), "early" the share of blocks in before the wait by ≥ 0.5 µs.
+Kernels may also mark phases of their own (LILY_TRACE_PHASE in common.cuh; the cluster sampler does): their times
+after the step's last kernel passed its wait, and from the last phase to the next step's first kernel, are printed.
+`--sampled` selects with the model's default sampling instead of greedy.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64, help="replayed steps recorded")
     ap.add_argument("--disable", default="", help="switches off (comma-separated)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--sampled", action="store_true", help="the model's default sampling instead of greedy")
     args = ap.parse_args()
 
     import lily
@@ -53,7 +57,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.n_valid, args.context).astype(np.int32)
     s = model.core.session(max_context=args.context + args.steps + 64)
-    g = _core.Generator(s, lily.SamplingParams(temperature=0.0).to_core(), [], args.steps + 16, model.n_valid)
+    sampling = (lily.SamplingParams.from_generation_config(model.generation_config) if args.sampled
+                else lily.SamplingParams(temperature=0.0))
+    g = _core.Generator(s, sampling.to_core(), [], args.steps + 16, model.n_valid)
     g.prefill(prompt)
     _core.testing.step_trace_start((args.steps + 8) * 100_000)  # every block's start: ~60K records a step
     for _ in range(args.steps + 4):  # an eager step, the captured one, then replays
@@ -63,9 +69,11 @@ def main() -> None:
     # One time per launch, its block 0's first wait. A graph's node keeps its %gridid from replay to replay, so a
     # launch is a run of records of one id in time order (the next kernel cannot pass its wait before this one ends).
     # Start records (top bit of the id) are each block reaching its pdl_trigger: kept apart, per id, in time order.
-    order, starts = [], defaultdict(list)
+    order, starts, phases = [], defaultdict(list), defaultdict(list)
     for t, gid in sorted(zip(times, grids)):
-        if gid >> 63:
+        if (gid >> 62) & 1:  # a phase inside a kernel (LILY_TRACE_PHASE): bits 56-61
+            phases[(gid >> 56) & 63].append(t)
+        elif gid >> 63:
             starts[gid & ~(1 << 63)].append(t)
         elif not order or order[-1][0] != gid:
             order.append((gid, t))
@@ -106,6 +114,14 @@ def main() -> None:
     print("\nthe first kernels of the step, in order (µs each: share, lead; early):")
     for i in range(min(K, 40)):
         print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}%")
+    if phases:  # each phase's time after the step's last kernel passed its wait, medians over the steps
+        last = t[:-1, -1]
+        print("phases of the last kernel (µs after its wait):", ", ".join(
+            f"{p}: {np.median([min((x for x in phases[p] if x >= w), default=np.nan) - w for w in last]) / 1e3:.2f}"
+            for p in sorted(phases)))
+        end = max(phases)
+        gap = [n - min((x for x in phases[end] if x >= w), default=np.nan) for w, n in zip(last, t[1:, 0])]
+        print(f"phase {end} to the next step's first kernel passing its wait: {np.median(gap) / 1e3:.2f} µs")
     print("the last kernels:")
     for i in range(max(0, K - 8), K):
         print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}%")

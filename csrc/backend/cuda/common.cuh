@@ -92,6 +92,20 @@ __device__ __forceinline__ void step_trace_mark(bool start) {
   const unsigned long long i = atomicAdd(tr, 1ull);
   if (i < tr[1]) tr[2 + 2 * i] = grid, tr[3 + 2 * i] = t;
 }
+// A phase inside a kernel (the calling thread's): the grid id's bit 62 set and the phase number in bits 56-61.
+__device__ __forceinline__ void step_trace_phase(int phase) {
+  unsigned long long* tr = g_step_trace;
+  if (!tr) return;
+  unsigned long long grid, t;
+  asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  grid |= (1ull << 62) | (static_cast<unsigned long long>(phase & 63) << 56);
+  const unsigned long long i = atomicAdd(tr, 1ull);
+  if (i < tr[1]) tr[2 + 2 * i] = grid, tr[3 + 2 * i] = t;
+}
+#define LILY_TRACE_PHASE(p) step_trace_phase(p)
+#else
+#define LILY_TRACE_PHASE(p) ((void)0)
 #endif
 __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -366,7 +366,9 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSample
     }
     if (lane == 0) b_raw_max = raw_max, b_sum = sum, b_x_max = x_max, b_x_arg = x_arg;
   }
+  if (rank == 0 && tid == 0) LILY_TRACE_PHASE(1);
   cluster_sync();
+  if (rank == 0 && tid == 0) LILY_TRACE_PHASE(2);
   if (rank == 0 && wid == 0) {  // lane r merges block r's values; the shuffle trees are fixed, so the sums are too
     float m = -FLT_MAX, xm = -FLT_MAX;
     double sm = 0.0;
@@ -412,6 +414,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSample
         __syncthreads();
         if (wid == 0) radix_pick_warp(tot, shift, &s_need, &s_prefix, &s_whole);
         __syncthreads();
+        if (rank == 0 && tid == 0) LILY_TRACE_PHASE(3 + round);
         if (s_whole) break;  // the same in every block: the same histograms
       }
       prefix = s_prefix;
@@ -444,6 +447,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSample
     }
     __syncthreads();
     s_rows[tid >> 5][tid & 31] = inc - cnt + (wid ? s_i[wid - 1] : 0);
+    if (rank == 0 && tid == 0) LILY_TRACE_PHASE(7);
     cluster_sync();  // b_count of every block is out; s_rows is complete
     int counts[kClusterBlocks], offset = 0, total = 0;
 #pragma unroll
@@ -461,6 +465,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSample
     }
     cluster_sync();  // block 0's candidates are in; no block reads another's shared memory after this
     if (rank != 0) return;
+    if (tid == 0) LILY_TRACE_PHASE(8);
     // 5, 6. top-p, min-p, the draw, by block 0 (thread 0's merge is behind the barriers above).
     token = draw_candidates(a, min(total, kSampleMaxCand), b_x_max, b_x_arg, cand_id, cand_x, cand_w, cand_keep,
                             &s_d[0]);
@@ -469,7 +474,9 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSample
     if (rank != 0) return;
     token = b_x_arg;
   }
+  if (tid == 0) LILY_TRACE_PHASE(9);
   if (tid == 0) record_token(a, token, s_lse);
+  if (tid == 0) LILY_TRACE_PHASE(10);
 }
 
 // Whether the device runs a cluster of kClusterBlocks: 16 is past CUDA's portable 8, which Hopper allows once the
