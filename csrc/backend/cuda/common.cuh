@@ -79,29 +79,25 @@ __device__ unsigned long long* g_step_trace = nullptr;
 void set_step_trace(unsigned long long* p) { LILY_CUDA_CHECK(cudaMemcpyToSymbol(g_step_trace, &p, sizeof(p))); }
 [[maybe_unused]] const bool step_trace_registered = (step_trace_register(&set_step_trace), true);
 }  // namespace
+// One record: this launch's id with `flags` in its top bits, and the time.
+__device__ __forceinline__ void step_trace_record(unsigned long long flags) {
+  unsigned long long* tr = g_step_trace;
+  if (!tr) return;
+  unsigned long long grid, t;
+  asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  const unsigned long long i = atomicAdd(tr, 1ull);
+  if (i < tr[1]) tr[2 + 2 * i] = grid | flags, tr[3 + 2 * i] = t;
+}
 // start: the record is a block's pdl_trigger (its first instructions, before the wait; every block records one),
 // flagged by the grid id's top bit; else it is block 0 passing its PDL wait.
 __device__ __forceinline__ void step_trace_mark(bool start) {
   if (threadIdx.x || (!start && (blockIdx.x || blockIdx.y || blockIdx.z))) return;
-  unsigned long long* tr = g_step_trace;
-  if (!tr) return;
-  unsigned long long grid, t;
-  asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  if (start) grid |= 1ull << 63;
-  const unsigned long long i = atomicAdd(tr, 1ull);
-  if (i < tr[1]) tr[2 + 2 * i] = grid, tr[3 + 2 * i] = t;
+  step_trace_record(start ? 1ull << 63 : 0);
 }
 // A phase inside a kernel (the calling thread's): the grid id's bit 62 set and the phase number in bits 56-61.
 __device__ __forceinline__ void step_trace_phase(int phase) {
-  unsigned long long* tr = g_step_trace;
-  if (!tr) return;
-  unsigned long long grid, t;
-  asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  grid |= (1ull << 62) | (static_cast<unsigned long long>(phase & 63) << 56);
-  const unsigned long long i = atomicAdd(tr, 1ull);
-  if (i < tr[1]) tr[2 + 2 * i] = grid, tr[3 + 2 * i] = t;
+  step_trace_record(1ull << 62 | static_cast<unsigned long long>(phase & 63) << 56);
 }
 #define LILY_TRACE_PHASE(p) step_trace_phase(p)
 #else

@@ -474,9 +474,11 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSample
     if (rank != 0) return;
     token = b_x_arg;
   }
-  if (tid == 0) LILY_TRACE_PHASE(9);
-  if (tid == 0) record_token(a, token, s_lse);
-  if (tid == 0) LILY_TRACE_PHASE(10);
+  if (tid == 0) {
+    LILY_TRACE_PHASE(9);
+    record_token(a, token, s_lse);
+    LILY_TRACE_PHASE(10);
+  }
 }
 
 // Whether the device runs a cluster of kClusterBlocks: 16 is past CUDA's portable 8, which Hopper allows once the
