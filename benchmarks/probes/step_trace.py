@@ -116,11 +116,15 @@ def main() -> None:
         print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}%")
     if phases:  # each phase's time after the step's last kernel passed its wait, medians over the steps
         last = t[:-1, -1]
+
+        def first_after(ts: list, w: float) -> float:  # ts in time order: the first record at or after w
+            i = bisect.bisect_left(ts, w)
+            return ts[i] if i < len(ts) else np.nan
+
         print("phases of the last kernel (µs after its wait):", ", ".join(
-            f"{p}: {np.median([min((x for x in phases[p] if x >= w), default=np.nan) - w for w in last]) / 1e3:.2f}"
-            for p in sorted(phases)))
+            f"{p}: {np.median([first_after(phases[p], w) - w for w in last]) / 1e3:.2f}" for p in sorted(phases)))
         end = max(phases)
-        gap = [n - min((x for x in phases[end] if x >= w), default=np.nan) for w, n in zip(last, t[1:, 0])]
+        gap = [n - first_after(phases[end], w) for w, n in zip(last, t[1:, 0])]
         print(f"phase {end} to the next step's first kernel passing its wait: {np.median(gap) / 1e3:.2f} µs")
     print("the last kernels:")
     for i in range(max(0, K - 8), K):
