@@ -1,13 +1,14 @@
 """End to end on the CUDA backend against the CPU reference: the tiny model and a mid-size random model in the
 real layer pattern (teacher-forced perplexity and top-1 agreement), chunked prefill and decode, and generation.
 Skips cleanly where the CUDA backend is not compiled in or no GPU is present."""
+import functools
 import secrets
 
 import numpy as np
 import pytest
 
 import lily
-from device_sampling import CONFIGS, VOCAB, check_device_selection
+from device_sampling import CONFIGS, DIRECT, VOCAB, check_device_selection, check_direct, select_once
 from lily import _core
 from lily.tiny import TINY_TEXT_CONFIG, build_tiny
 
@@ -145,6 +146,20 @@ def sampling_model(request):
 def test_device_selection_matches_host_sampler(sampling_model, name):
     model, vocab = sampling_model
     check_device_selection(_core, model, name, secrets.randbits(64), vocab=vocab, n_valid=vocab - 96)
+
+
+# The selection kernels by the switches that pick them: the cluster (default) and the one-block kernel.
+KERNEL_SWITCHES = {"cluster": "", "one block": "sample_cluster"}
+
+
+@pytest.mark.parametrize("case", DIRECT)
+def test_selection_kernels_agree_with_each_other_and_the_host(case):
+    """Each of device_sampling.DIRECT's selections by both kernels: the same token and logprob from each, and the host
+    sampler's token where it keeps the same set (not past the kernels' 1024 candidates)."""
+    seed = secrets.randbits(63)
+    print(f"seed {seed}")
+    check_direct(_core, case, seed, {name: functools.partial(select_once, _core, "cuda", disable=off)
+                                     for name, off in KERNEL_SWITCHES.items()})
 
 
 def test_generation_runs_and_stops(tiny_pair):

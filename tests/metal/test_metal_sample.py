@@ -18,12 +18,12 @@ import secrets
 import numpy as np
 import pytest
 
-from device_sampling import CONFIGS, N_VALID, PROMPT_LEN, STEPS, VOCAB, check_device_selection
+from device_sampling import (CONFIGS, DIRECT, N_VALID, PROMPT_LEN, STEPS, VOCAB, check_device_selection,
+                             check_direct, select_once)
 from lily.tiny import TINY_TEXT_CONFIG, build_tiny
 
 from .conftest import ASAN_CHILD, THREAD_ORDERS
 
-SLICE = 4096  # metal/sample_args.h SAMPLE_SLICE
 # The kernels that select, by whether sample_split is on.
 KERNELS = {True: {"sample_part", "sample_merge"}, False: {"sample"}}
 
@@ -120,126 +120,21 @@ def test_a_device_loop_continued_after_another_one_ran_is_refused(core, model, w
 
 # ---- direct selections: one Backend::sample on given logits and penalty state ---------------------------------------
 
-def _select(core, logits, n_valid, params, seed, split, state):
-    """One device selection by the split kernels (split) or the one-threadgroup one: (token, logprob). Checks the
-    kernels dispatched and the state the selection leaves (counts, seen, step)."""
-    counts, seen, step = state
-    p = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-             frequency_penalty=0.0)
-    p.update(params, seed=seed, n_valid=n_valid, disable="" if split else "sample_split")
-    before = core.testing.metal_kernels()
-    out = core.testing.run_op("metal", "sample", p, dict(logits=logits, counts=counts, seen=seen,
-                                                         step=np.array([step], np.uint64)))
-    after = core.testing.metal_kernels()
-    assert {k for k in after if after[k] > before[k]} == KERNELS[split]
-    slot = out["results"].view(np.int32).reshape(-1, 2)[step % 4]
-    token, logprob = int(slot[0]), float(slot[1:].view(np.float32)[0])
-    assert 0 <= token < n_valid and out["token"].view(np.int32)[0] == token
-    want_counts = counts.copy()
-    want_counts[token] += 1
-    assert np.array_equal(out["counts"].view(np.int32)[:n_valid], want_counts)
-    assert out["seen"].view(np.uint8)[token] == 1 and out["step"].view(np.uint64)[0] == step + 1
-    return token, logprob
-
-
-def _history(rng, logits, n_valid):
-    """A penalty state that matters: a prompt of 40 random ids (seen) and 12 generated tokens, with repeats, among the
-    30 most likely (counts). Returns (prompt, generated)."""
-    likely = np.argsort(-logits[:n_valid], kind="stable")[:30]
-    return rng.integers(0, n_valid, 40).tolist(), rng.choice(likely, 12).tolist()
-
-
-def _normal(vocab):
-    def make(rng):
-        return np.clip(rng.standard_normal(vocab), -5, 5).astype(np.float32) * 2
-    return make
-
-
-def _ties_within_cap(rng):
-    """k = 50 with its boundary in a tie of 100 ids spread over the ten slices: the 120 ids at or above it are kept,
-    as by the host."""
-    x = np.clip(rng.standard_normal(40960), -5, 5).astype(np.float32)
-    ids = rng.choice(40864, 120, replace=False)
-    x[ids[:20]] = 8 + 0.125 * np.arange(20)
-    x[ids[20:]] = 7.0
-    return x
-
-
-def _ties_above_a_slice(rng):
-    """Slice 0 holds 2,000 ties at 6 (its own 8th largest, more than the 1,024 candidates) and id 2500 at 8 after them;
-    the global top 8 is id 2500 and seven ids at 7 in slices 5 and 7. The slice must hand on id 2500 though 1,024 ties
-    come first; top_p = 0.25 then keeps id 2500 alone (the mass above each 7 is 1 of 3.6)."""
-    x = np.clip(rng.standard_normal(40960), -5, 5).astype(np.float32)
-    x[:2000] = 6.0
-    x[2500] = 8.0
-    x[[21000, 21001, 21002, 29000, 29001, 29002, 29003]] = 7.0
-    return x
-
-
-def _ties_beyond_the_cap(rng):
-    """More ties at the boundary than candidates: slice 0's ids 0–1999 at 6 (id 10 at 9), ids 3000–3002 at 6.5 and
-    ten ties in slice 3; k = 8 keeps the first 1,024 ids of the 2,013 at or above 6 (the host keeps all: compared
-    kernel against kernel). top_p = 0.021 keeps the ties only if the three 6.5s are rightly left out (the mass above
-    a tie is then 1 of 51.9, else 1.25 of 52.0)."""
-    x = np.clip(rng.standard_normal(40960), -5, 5).astype(np.float32)
-    x[:2000] = 6.0
-    x[10] = 9.0
-    x[3000:3003] = 6.5
-    x[12300:12310] = 6.0
-    return x
-
-
-def _flat(rng):
-    return np.zeros(40960, np.float32)
-
-
-# id: (vocabulary, n_valid, logits, [sampling parameters] (None: CONFIGS with a penalty state), host's kept set the
-# same (False: more ties than the kernels' 1024 candidates), seeds a parameter set)
-DIRECT = {
-    "real vocabulary, 61 slices": (248320, 248077, _normal(248320), None, True, 1),
-    "one slice": (VOCAB, N_VALID, _normal(VOCAB), None, True, 1),
-    "last slice of 4 ids": (8200, 2 * SLICE + 4, _normal(8200), [dict(top_k=40), dict(top_k=1024, top_p=0.9)], True,
-                            3),
-    "top-k off, 1000 ids": (1024, 1000, _normal(1024), [dict(temperature=0.7), dict(temperature=1.3, min_p=0.1)],
-                            True, 3),
-    "ties within the cap": (40960, 40864, _ties_within_cap, [dict(top_k=50), dict(top_k=50, top_p=0.6),
-                                                              dict(temperature=0.0)], True, 3),
-    "ties above a slice's": (40960, 40864, _ties_above_a_slice, [dict(top_k=8), dict(top_k=8, top_p=0.25)], True, 3),
-    "ties beyond the cap": (40960, 40864, _ties_beyond_the_cap, [dict(top_k=8), dict(top_k=8, top_p=0.021),
-                                                                 dict(top_k=1024)], False, 4),
-    "all tied": (40960, 40864, _flat, [dict(top_k=8), dict(top_k=1024), dict(temperature=0.0)], False, 3),
-}
+def _select(core, split):
+    """A selection by the split kernels (split) or the one-threadgroup one, checking which kernels ran."""
+    def select(logits, n_valid, params, seed, state):
+        before = core.testing.metal_kernels()
+        got = select_once(core, "metal", logits, n_valid, params, seed, state, "" if split else "sample_split")
+        after = core.testing.metal_kernels()
+        assert {k for k in after if after[k] > before[k]} == KERNELS[split]
+        return got
+    return select
 
 
 @pytest.mark.parametrize("case", DIRECT)
 def test_split_selection_matches_one_threadgroup_and_host(core, monkeypatch, case, thread_order):
-    vocab, n_valid, make, param_sets, host_same, seeds = DIRECT[case]
     seed = secrets.randbits(63)
     print(f"order {thread_order}, seed {seed}")
     monkeypatch.setenv("LILY_METAL_ORDER", thread_order)
     monkeypatch.setenv("LILY_METAL_SEED", str(seed))
-    rng = np.random.default_rng(seed)
-    logits = make(rng)
-    prompt, generated = _history(rng, logits, n_valid) if param_sets is None else ([], [])
-    counts = np.bincount(np.array(generated, np.int64), minlength=n_valid).astype(np.int32)
-    seen = np.zeros(n_valid, np.uint8)
-    seen[prompt + generated] = 1
-    state = (counts, seen, len(generated))
-    raw = logits[:n_valid].astype(np.float64)
-    lse = raw.max() + np.log(np.exp(raw - raw.max()).sum())  # the logprob is log_softmax(raw) over [0, n_valid)
-    for params in param_sets or CONFIGS.values():
-        for draw in range(seeds):
-            draw_seed = int(rng.integers(0, 2**64, dtype=np.uint64))
-            got = _select(core, logits, n_valid, params, draw_seed, True, state)
-            ref = _select(core, logits, n_valid, params, draw_seed, False, state)
-            what = f"{case}, {params}, draw seed {draw_seed}"
-            assert got[0] == ref[0], f"{what}: split chose {got[0]}, one threadgroup {ref[0]}"
-            assert abs(got[1] - ref[1]) < 1e-5, f"{what}: logprob {got[1]} != {ref[1]}"
-            host = core.Sampler(core.SamplingParams(**params, seed=draw_seed), vocab, n_valid)
-            host.add_prompt(prompt)
-            for t in generated:
-                host.accept(t)
-            want = host.sample(logits)
-            if host_same:
-                assert got[0] == want.token, f"{what}: device chose {got[0]}, host {want.token}"
-            assert abs(got[1] - (raw[got[0]] - lse)) < 1e-4, f"{what}: logprob {got[1]} != {raw[got[0]] - lse}"
+    check_direct(core, case, seed, {"split": _select(core, True), "one threadgroup": _select(core, False)})

@@ -65,8 +65,8 @@ void join_side(const Ctx& ctx);
 // serialization: it may start while its predecessor in the stream is still running. (Prefill runs without: there the
 // early-launched blocks of the next kernel cost the multi-wave GEMMs 6 % at 4K.) Every kernel therefore follows one
 // rule: before pdl_wait() it only reads memory that no kernel writes in the step before it (weights; a GDN layer's conv
-// and recurrent state, which only that layer's own kernel writes, one step earlier: an early launch never reaches back
-// across a graph launch or a launch without PDL), and it writes nothing. pdl_wait() returns once the predecessor grid
+// and recurrent state, which only that layer's own kernel writes, one step earlier, and the selection's draw counter
+// likewise: an early launch never reaches back across a graph launch or a launch without PDL), and it writes nothing. pdl_wait() returns once the predecessor grid
 // has completed and its writes are visible; without PDL both calls are no-ops. pdl_trigger() lets the successor launch
 // (once every block of this grid has called it or exited); kernels call it as early as possible.
 #ifdef LILY_STEP_TRACE

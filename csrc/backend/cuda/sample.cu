@@ -1,5 +1,5 @@
 // sample.cu: token selection on the GPU, so a decode step never waits for the host (core/sample.h is the rule
-// book and the host reference; this kernel follows it step for step).
+// book and the host reference; both kernels follow it step for step).
 //
 // Math     x_i = raw_i with penalties (repetition on seen ids, frequency/presence on generated ids), / temperature;
 //          T = 0: argmax x (lowest id on ties). Else keep x_i ≥ k-th largest x (top-k, ties kept), then top-p
@@ -20,12 +20,16 @@
 // Checks   the host calls sample() only when can_sample() (backend/policy.h: device_can_sample): greedy, or the
 //          top-k set fits kSampleMaxCand, and top_logprobs == 0. Ties at the top-k boundary beyond kSampleMaxCand
 //          keep the lowest ids (host path keeps all).
-// Ref      core/sample.cpp · Test tests/test_cuda.py (device sampler vs host sampler)
+// Ref      core/sample.cpp · Test tests/test_cuda.py (each kernel vs the host sampler in the decode loop, and both on
+//          device_sampling.DIRECT: ties within and beyond the candidates, ragged slices, the real vocabulary)
 // History  v1 · v2 (2026-12-05) sample_cluster: decode +52 % / +46 % at 4K / 32K on the H100 with the real vocabulary
 //          (the benchmarks before it timed 489 ids). Tried and dropped: warp-aggregated histogram adds
 //          (__match_any_sync), level on the model and slower in ncu.
 //          v3 (2026-12-06) the generation counts read only when a frequency or presence penalty is set (the host
 //          sampler's rule): greedy 13.4 → 10.7 µs, top-k 20 / top-p 0.95 ~31.5 → ~28.5 µs (ncu, H100).
+//          v4 (2026-12-06) the draw counter read before the PDL wait, the count and the position advanced by
+//          reductions. Tried and removed (benchmarks/NOTES.md, session 47): Metal's sample_split on CUDA (122
+//          blocks of 2048 ids, then one merging block), +0.23 % / +0.27 % at 4K / 32K on the H100.
 #include <cfloat>
 
 #include <cooperative_groups.h>
@@ -123,8 +127,10 @@ __device__ __forceinline__ void radix_pick_warp(const uint32_t* hist, int shift,
 
 // Steps 5 and 6 of the header, by one block on its nc ≤ kSampleMaxCand candidates (ascending ids, processed x):
 // weights, top-p, min-p and the draw. Returns the token to thread 0 (x_arg when nothing is kept).
-__device__ int draw_candidates(const SampleKernelArgs& a, int nc, float x_max, int x_arg, const int* cand_id,
-                               const float* cand_x, double* cand_w, unsigned char* cand_keep, double* s_total) {
+// `step` is *a.st.step, read before the kernel's PDL wait (only the selection kernels write it, a step earlier).
+__device__ int draw_candidates(const SampleKernelArgs& a, uint64_t step, int nc, float x_max, int x_arg,
+                               const int* cand_id, const float* cand_x, double* cand_w, unsigned char* cand_keep,
+                               double* s_total) {
   const int tid = threadIdx.x;
   for (int j = tid; j < nc; j += blockDim.x) {
     cand_w[j] = double(expf(cand_x[j] - x_max));
@@ -154,7 +160,6 @@ __device__ int draw_candidates(const SampleKernelArgs& a, int nc, float x_max, i
     cand_keep[j] = cand_keep[j] && cand_w[j] >= double(a.p.min_p);
     if (cand_keep[j]) total += cand_w[j];
   }
-  const uint64_t step = *a.st.step;
   const double u = double(splitmix64_d(a.p.seed ^ (step * 0x9E3779B97F4A7C15ull)) >> 11) * 0x1.0p-53;
   const double target = u * total;
   double cum = 0;
@@ -168,21 +173,22 @@ __device__ int draw_candidates(const SampleKernelArgs& a, int nc, float x_max, i
 }
 
 // The chosen token t recorded (thread 0 of one block): the next step's input, its result slot (token, logprob), the
-// penalty state, the draw counter and the device position.
-__device__ void record_token(const SampleKernelArgs& a, int t, double lse) {
-  const uint64_t step = *a.st.step;
+// penalty state, the draw counter (`step`, read before the wait) and the device position. The count and the position
+// advance by reductions, which return nothing, so the thread does not wait on their reads.
+__device__ void record_token(const SampleKernelArgs& a, uint64_t step, int t, double lse) {
   *a.st.token = t;
   int32_t* r = a.st.results + 2 * int(step % kResultSlots);
   r[0] = t;
   r[1] = __float_as_int(float(double(a.logits[t]) - lse));
-  a.st.counts[t] += 1;
+  atomicAdd(&a.st.counts[t], 1);
   a.st.seen[t] = 1;
   *a.st.step = step + 1;
-  if (a.st.pos) *a.st.pos += 1;
+  if (a.st.pos) atomicAdd(a.st.pos, 1);
 }
 
 __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleKernelArgs a) {
   pdl_trigger();
+  const uint64_t step = *a.st.step;
   pdl_wait();
   __shared__ float s_f[32];
   __shared__ int s_i[32];
@@ -276,11 +282,11 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleKern
     if (tid == kSampleThreads - 1) s_ncand = min(s_scan[tid], kSampleMaxCand);
     __syncthreads();
     // 5, 6. top-p, min-p, the draw.
-    const int t = draw_candidates(a, s_ncand, x_max, x_arg, cand_id, cand_x, cand_w, cand_keep, &s_d[0]);
+    const int t = draw_candidates(a, step, s_ncand, x_max, x_arg, cand_id, cand_x, cand_w, cand_keep, &s_d[0]);
     if (tid == 0) s_token = t;
   }
   __syncthreads();
-  if (tid == 0) record_token(a, s_token, lse);
+  if (tid == 0) record_token(a, step, s_token, lse);
 }
 
 // ---- sample_cluster: the same selection by a cluster of blocks, every id read once ---------------------------------
@@ -304,6 +310,7 @@ __device__ __forceinline__ T* in_block(T* p, unsigned rank) {
 __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSampleThreads, 1)
     sample_cluster_kernel(const SampleKernelArgs a) {
   pdl_trigger();
+  const uint64_t step = *a.st.step;
   pdl_wait();
   __shared__ float s_f[32];
   __shared__ int s_i[32];
@@ -467,8 +474,8 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSample
     if (rank != 0) return;
     if (tid == 0) LILY_TRACE_PHASE(8);
     // 5, 6. top-p, min-p, the draw, by block 0 (thread 0's merge is behind the barriers above).
-    token = draw_candidates(a, min(total, kSampleMaxCand), b_x_max, b_x_arg, cand_id, cand_x, cand_w, cand_keep,
-                            &s_d[0]);
+    token = draw_candidates(a, step, min(total, kSampleMaxCand), b_x_max, b_x_arg, cand_id, cand_x, cand_w,
+                            cand_keep, &s_d[0]);
   } else {
     cluster_sync();  // no block leaves while block 0 may still read its b_* values
     if (rank != 0) return;
@@ -476,7 +483,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSample
   }
   if (tid == 0) {
     LILY_TRACE_PHASE(9);
-    record_token(a, token, s_lse);
+    record_token(a, step, token, s_lse);
     LILY_TRACE_PHASE(10);
   }
 }
