@@ -90,7 +90,7 @@ def _normal(vocab):
 
 
 def _ties_within_cap(rng):
-    """k = 50 with its boundary in a tie of 100 ids spread over all the slices: the 120 ids at or above it are kept,
+    """k = 50 with its boundary in a tie of 100 ids spread over the ten slices: the 120 ids at or above it are kept,
     as by the host."""
     x = np.clip(rng.standard_normal(40960), -5, 5).astype(np.float32)
     ids = rng.choice(40864, 120, replace=False)
@@ -100,10 +100,9 @@ def _ties_within_cap(rng):
 
 
 def _ties_above_a_slice(rng):
-    """Ids 0–1999 tie at 6 (their slice's 8th largest, more than the 1,024 candidates) and id 2500 is at 8 after them
-    (in the same slice of Metal's 4096 ids, the next one of CUDA's 2048); the global top 8 is id 2500 and seven ids
-    at 7 far away. A slice must hand on id 2500 though 1,024 ties come first; top_p = 0.25 then keeps id 2500 alone
-    (the mass above each 7 is 1 of 3.6)."""
+    """Slice 0 holds 2,000 ties at 6 (its own 8th largest, more than the 1,024 candidates) and id 2500 at 8 after them;
+    the global top 8 is id 2500 and seven ids at 7 in slices 5 and 7. The slice must hand on id 2500 though 1,024 ties
+    come first; top_p = 0.25 then keeps id 2500 alone (the mass above each 7 is 1 of 3.6)."""
     x = np.clip(rng.standard_normal(40960), -5, 5).astype(np.float32)
     x[:2000] = 6.0
     x[2500] = 8.0
@@ -112,8 +111,8 @@ def _ties_above_a_slice(rng):
 
 
 def _ties_beyond_the_cap(rng):
-    """More ties at the boundary than candidates: ids 0–1999 at 6 (id 10 at 9), ids 3000–3002 at 6.5 and ten ties at
-    12,300; k = 8 keeps the first 1,024 ids of the 2,013 at or above 6 (the host keeps all: compared
+    """More ties at the boundary than candidates: slice 0's ids 0–1999 at 6 (id 10 at 9), ids 3000–3002 at 6.5 and
+    ten ties in slice 3; k = 8 keeps the first 1,024 ids of the 2,013 at or above 6 (the host keeps all: compared
     kernel against kernel). top_p = 0.021 keeps the ties only if the three 6.5s are rightly left out (the mass above
     a tie is then 1 of 51.9, else 1.25 of 52.0)."""
     x = np.clip(rng.standard_normal(40960), -5, 5).astype(np.float32)
@@ -128,9 +127,9 @@ def _flat(rng):
     return np.zeros(40960, np.float32)
 
 
-# Direct selections (core.testing.run_op "sample" on given logits and penalty state; slices of 4096 ids on Metal, 2048
-# on CUDA): id: (vocabulary, n_valid, logits, [sampling parameters] (None: CONFIGS with a penalty state), host's kept set the
-# same (False: more ties than the kernels' 1024 candidates), seeds a parameter set)
+# Direct selections (core.testing.run_op "sample" on given logits and penalty state; "slices" are those of Metal's
+# sample_split, 4096 ids): id: (vocabulary, n_valid, logits, [sampling parameters] (None: CONFIGS with a penalty
+# state), host's kept set the same (False: more ties than the kernels' 1024 candidates), seeds a parameter set)
 DIRECT = {
     "real vocabulary": (248320, 248077, _normal(248320), None, True, 1),
     "one slice": (VOCAB, N_VALID, _normal(VOCAB), None, True, 1),

@@ -66,9 +66,10 @@ void join_side(const Ctx& ctx);
 // early-launched blocks of the next kernel cost the multi-wave GEMMs 6 % at 4K.) Every kernel therefore follows one
 // rule: before pdl_wait() it only reads memory that no kernel writes in the step before it (weights; a GDN layer's conv
 // and recurrent state, which only that layer's own kernel writes, one step earlier, and the selection's draw counter
-// likewise: an early launch never reaches back across a graph launch or a launch without PDL), and it writes nothing. pdl_wait() returns once the predecessor grid
-// has completed and its writes are visible; without PDL both calls are no-ops. pdl_trigger() lets the successor launch
-// (once every block of this grid has called it or exited); kernels call it as early as possible.
+// likewise: an early launch never reaches back across a graph launch or a launch without PDL), and it writes nothing.
+// pdl_wait() returns once the predecessor grid has completed and its writes are visible; without PDL both calls are
+// no-ops. pdl_trigger() lets the successor launch (once every block of this grid has called it or exited); kernels call
+// it as early as possible.
 #ifdef LILY_STEP_TRACE
 // The decode-step probe (step_trace.h): this file's copy of the record buffer, registered with the host side.
 void step_trace_register(void (*set)(unsigned long long*));
