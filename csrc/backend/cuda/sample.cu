@@ -127,7 +127,8 @@ __device__ __forceinline__ void radix_pick_warp(const uint32_t* hist, int shift,
 
 // Steps 5 and 6 of the header, by one block on its nc ≤ kSampleMaxCand candidates (ascending ids, processed x):
 // weights, top-p, min-p and the draw. Returns the token to thread 0 (x_arg when nothing is kept).
-// `step` is *a.st.step, read before the kernel's PDL wait (only the selection kernels write it, a step earlier).
+// `step` is *a.st.step, read by thread 0 (the only one that uses it) before the kernel's PDL wait (only the selection
+// kernels write it, a step earlier).
 __device__ int draw_candidates(const SampleKernelArgs& a, uint64_t step, int nc, float x_max, int x_arg,
                                const int* cand_id, const float* cand_x, double* cand_w, unsigned char* cand_keep,
                                double* s_total) {
@@ -188,7 +189,7 @@ __device__ void record_token(const SampleKernelArgs& a, uint64_t step, int t, do
 
 __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const SampleKernelArgs a) {
   pdl_trigger();
-  const uint64_t step = *a.st.step;
+  const uint64_t step = threadIdx.x == 0 ? *a.st.step : 0;  // thread 0 alone draws and records
   pdl_wait();
   __shared__ float s_f[32];
   __shared__ int s_i[32];
@@ -310,7 +311,7 @@ __device__ __forceinline__ T* in_block(T* p, unsigned rank) {
 __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kSampleThreads, 1)
     sample_cluster_kernel(const SampleKernelArgs a) {
   pdl_trigger();
-  const uint64_t step = *a.st.step;
+  const uint64_t step = threadIdx.x == 0 ? *a.st.step : 0;  // thread 0 alone draws and records
   pdl_wait();
   __shared__ float s_f[32];
   __shared__ int s_i[32];
