@@ -41,7 +41,8 @@
 //          Switch moe_dp4a (decode): each gate+up block stages m once in shared memory in 16-bit fixed point
 //          (x16.cuh) and its dot products run on dp4a (~0.75 instructions per 4-bit code instead of ~2.4).
 //          Registers (sm_90, -O3): gate_up 128 (4-bit) / 125 (8-bit), with moe_dp4a 127 / 107; down 96 / 80, route
-//          32-48, others ≤ 32; no spills.
+//          32-48, others ≤ 32; no spills. Keep down at 96 or fewer: at 103 only half its blocks got onto the SMs
+//          beside gate+up's before the wait, and a layer took 3 µs longer (benchmarks/NOTES.md, session 51).
 // Checks   shapes of every matrix against MoeArgs; bits 4/8; K % group == 0; 1 ≤ top_k ≤ min(E, 32); E ≤ 256;
 //          H % 8 == 0; m, out 16-byte aligned. The decode kernels also need: top_k ≤ 15, one bit width for
 //          gate/up/shared gate/up and one for down/shared down, H ≤ 2048, I and IS ≤ 1024 (4-bit) / 512 (8-bit),
