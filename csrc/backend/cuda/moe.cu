@@ -731,7 +731,7 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
 // (await_routing, by warp 0's lane 0, then a barrier of the k routed warps) and load their first codes before the PDL
 // wait, as the shared warp does, instead of after it.
 template <int BITS, bool EARLY>
-__global__ void __launch_bounds__(kDownMaxWarps * 32) moe_down_kernel(const __grid_constant__ DecodeArgs a) {
+__global__ void __maxnreg__(96) moe_down_kernel(const __grid_constant__ DecodeArgs a) {
   constexpr int CODES = 128 / BITS;
   extern __shared__ float part[];  // [k+1][rb_down]
   const int t = blockIdx.y, n0 = blockIdx.x * a.rb_down, rb = a.rb_down;
