@@ -40,8 +40,8 @@
 //          but where two distinct logits round to one probability.
 //          Switch moe_dp4a (decode): each gate+up block stages m once in shared memory in 16-bit fixed point
 //          (x16.cuh) and its dot products run on dp4a (~0.75 instructions per 4-bit code instead of ~2.4).
-//          Registers (sm_90, -O3): gate_up 128 (4-bit) / 125 (8-bit), with moe_dp4a 127 / 107; down 96 / 80, route
-//          32-48, others ≤ 32; no spills. Keep down at 96 or fewer: at 103 only half its blocks got onto the SMs
+//          Registers (sm_90, -O3): gate_up 128 (4-bit) / 125 (8-bit), with moe_dp4a 127 / 107; down 96 / 83 (held
+//          at 96 by __maxnreg__: moe_down_early's instance would take 98), route 32-48, others ≤ 32; no spills. Keep down at 96 or fewer: at 103 only half its blocks got onto the SMs
 //          beside gate+up's before the wait, and a layer took 3 µs longer (benchmarks/NOTES.md, session 51).
 // Checks   shapes of every matrix against MoeArgs; bits 4/8; K % group == 0; 1 ≤ top_k ≤ min(E, 32); E ≤ 256;
 //          H % 8 == 0; m, out 16-byte aligned. The decode kernels also need: top_k ≤ 15, one bit width for
