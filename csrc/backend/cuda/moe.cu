@@ -38,11 +38,15 @@
 //          pick on the logits (pick_round: a three-level tree per lane, no softmax before the picks; the probabilities
 //          only for block 0's weights, computed as route_warp computes them), the same experts and weights bit for bit
 //          but where two distinct logits round to one probability.
+//          Switch moe_down_early (with route_fused): block 0's routing warp releases the ids under a tag of this
+//          MoE call (st.release, a flag per token); each down block's thread 0 polls it (ld.acquire), and its routed
+//          warps load their experts' first codes before the PDL wait; the last down block clears the flag.
 //          Switch moe_dp4a (decode): each gate+up block stages m once in shared memory in 16-bit fixed point
 //          (x16.cuh) and its dot products run on dp4a (~0.75 instructions per 4-bit code instead of ~2.4).
 //          Registers (sm_90, -O3): gate_up 128 (4-bit) / 125 (8-bit), with moe_dp4a 127 / 107; down 96 / 83 (held
-//          at 96 by __maxnreg__: moe_down_early's instance would take 98), route 32-48, others ≤ 32; no spills. Keep down at 96 or fewer: at 103 only half its blocks got onto the SMs
-//          beside gate+up's before the wait, and a layer took 3 µs longer (benchmarks/NOTES.md, session 51).
+//          at 96 by __maxnreg__: moe_down_early's instance would take 98), route 32-48, others ≤ 32; no spills.
+//          Keep down at 96 or fewer: at 103 only half its blocks got onto the SMs beside gate+up's before the wait,
+//          and a layer took 3 µs longer (benchmarks/NOTES.md, session 51).
 // Checks   shapes of every matrix against MoeArgs; bits 4/8; K % group == 0; 1 ≤ top_k ≤ min(E, 32); E ≤ 256;
 //          H % 8 == 0; m, out 16-byte aligned. The decode kernels also need: top_k ≤ 15, one bit width for
 //          gate/up/shared gate/up and one for down/shared down, H ≤ 2048, I and IS ≤ 1024 (4-bit) / 512 (8-bit),
@@ -65,7 +69,7 @@
 //          before the PDL wait once a counter released by the routing warp says the ids are out (+0.7 %); gate+up and
 //          down as one kernel, down tiles handed out by a counter after the gate+up tiles (37.0 µs standalone against
 //          25.1 µs for the two kernels, decode −19.7 %).
-//          v5 (current, 2026-12-04) route_logits: decode +3.5 % / +3.3 % at 4K / 32K. A routed warp's top-k took
+//          v5 (2026-12-04) route_logits: decode +3.5 % / +3.3 % at 4K / 32K. A routed warp's top-k took
 //          ~1.9 µs before its first code load (one warp, clock64: logits 450 cycles, softmax 1,535, eight rounds
 //          1,725); the picks need no softmax and take 1,417 cycles for eight rounds. Tried and removed (NOTES.md v15):
 //          the whole MoE of a token in one kernel of 18 clusters of 8 blocks (moe_cluster, weights bulk-copied into
@@ -79,6 +83,11 @@
 //          v6 (2026-12-06) norm_fold (switch, one token): the mixer's output projection adds into x and leaves Σx²
 //          by block and x ⊙ w; the router's streaming GEMV folds the post-mixer norm in (qmv.cu v7) and writes m for
 //          the experts: no norm kernel between them.
+//          v7 (current, 2026-12-07) moe_down_early (switch, with route_fused): v13's idea rebuilt for v21's step,
+//          whose down blocks are resident before their PDL wait: a tag per MoE call released by the routing warp,
+//          the routed warps' codes loaded before the wait. H100, 4K: +1.07 / +1.39 % inside the build, +0.86 /
+//          +1.47 % sampled against the build without it; 32K +0.29 %; the down kernel 7.04 → 6.14 µs a layer on
+//          the step's critical path (benchmarks/NOTES.md, session 53).
 #include <algorithm>
 
 #include "backend/checks.h"
