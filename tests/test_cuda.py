@@ -237,3 +237,14 @@ def test_generation_with_every_switch_off(mid_plain):
     prompt = np.random.default_rng().integers(0, mid_plain.n_valid, 12).tolist()
     out = [r.token for r in lily.stream_generate(mid_plain, prompt, max_tokens=16, temperature=0.0)]
     _assert_greedy(mid_plain.logits(prompt + out)[len(prompt) - 1:-1, :mid_plain.n_valid], out)
+
+
+def test_moe_down_early_generates_the_same_tokens(mid_pair, mid_ckpt):
+    """Switch moe_down_early: the down kernel takes the expert ids from the gate+up kernel before its PDL wait. In the
+    replayed decode step both kernels run at once, so this is where a wrong hand-over would show; the arithmetic is the
+    switch-off path's, so greedy generation gives the same tokens and logprobs bit for bit."""
+    off = lily.Model(mid_ckpt, "cuda", disable=["moe_down_early"])
+    prompt = np.random.default_rng().integers(0, off.n_valid, 24).tolist()
+    runs = [[(r.token, r.logprob) for r in lily.stream_generate(m, prompt, max_tokens=64, temperature=0.0)]
+            for m in (mid_pair[1], off, mid_pair[1])]
+    assert runs[0] == runs[1] == runs[2]

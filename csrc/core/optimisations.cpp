@@ -83,6 +83,9 @@ const std::vector<OptInfo>& optimisation_table() {
        "decode token selection in two dispatches: threadgroups each reading a slice of 4096 logits once (maxima, "
        "Σexp, argmax and the slice's own top-k candidates), then one threadgroup selecting among their union, "
        "instead of one threadgroup passing over the logits seven times"},
+      {Opt::moe_down_early, "moe_down_early", "cuda",
+       "decode MoE: the down kernel's routed warps take the expert ids as soon as the gate+up kernel's routing block "
+       "releases them and load their codes before the PDL wait, instead of after it"},
   };
   return table;
 }

@@ -81,6 +81,10 @@ enum class Opt : int {
                      //   of 4096 logits once (maxima, Σexp, argmax, the slice's own top-k candidates) and sample_merge
                      //   selecting among their union, instead of one threadgroup passing over the logits seven
                      //   times. CUDA's answer is sample_cluster (one dispatch: a cluster meets through DSMEM)
+  moe_down_early,    // CUDA (with route_fused): the decode MoE's down kernel takes the expert ids as soon as the
+                     //   gate+up kernel's routing block releases them (a tag the block stores, one per MoE call) and
+                     //   loads its routed codes before its PDL wait, instead of after it. Metal: no PDL, a dispatch
+                     //   starts after its predecessor ends (as pdl)
   kCount
 };
 

@@ -37,24 +37,27 @@ def test_op_matches_cpu(backend, case, switches):
     check(case, ref, got, inputs)
 
 
-# One decode token's MoE (the gate+up kernel's own routing, switch route_fused): route_logits picks the top-k on the
-# logits instead of the probabilities. The softmax keeps their order, so the experts and weights, and with them the
-# output, are bit for bit those of the rounds over the probabilities (fresh random logits: no two round to one
-# probability).
-# (Metal: tests/metal/test_metal_ops.py, on the CPU harness.)
+# Decode MoE switches that must keep the bits (the gate+up kernel's own routing, switch route_fused):
+# - route_logits picks the top-k on the logits instead of the probabilities. The softmax keeps their order, so the
+#   experts and weights, and with them the output, are those of the rounds over the probabilities (fresh random
+#   logits: no two round to one probability).
+# - moe_down_early hands the down kernel the expert ids before its PDL wait: the same arithmetic in the same order.
+# (Metal: tests/metal/test_metal_ops.py, on the CPU harness, for route_logits.)
 ROUTED = [c for c in SELECTED if c.op in ("moe", "moe_residual") and c.dims["T"] == 1]
+SAME_BITS = [(c, s) for s in ("route_logits", "moe_down_early") for c in ROUTED] + \
+            [(c, "moe_down_early") for c in SELECTED if c.op in ("moe", "moe_residual") and 1 < c.dims["T"] <= 8]
 CUDA = next((b for b in lily.backends() if b.name == "cuda"), None)
 
 
 @pytest.mark.skipif(CUDA is None or not CUDA.usable,
                     reason=f"the CUDA backend cannot run here: {CUDA.reason if CUDA else 'not compiled in'}")
-@pytest.mark.parametrize("case", ROUTED, ids=lambda c: c.id)
-def test_route_logits_picks_as_the_probabilities(case):
+@pytest.mark.parametrize("case,switch", SAME_BITS, ids=lambda v: v.id if isinstance(v, Case) else v)
+def test_moe_switch_keeps_the_bits(case, switch):
     params, inputs = make(case, np.random.default_rng())
     on = _core.testing.run_op("cuda", case.op, {**params, "disable": ""}, inputs)
-    off = _core.testing.run_op("cuda", case.op, {**params, "disable": "route_logits"}, inputs)
+    off = _core.testing.run_op("cuda", case.op, {**params, "disable": switch}, inputs)
     for name, v in on.items():
-        np.testing.assert_array_equal(v, off[name], err_msg=f"{case.id}/{name}")
+        np.testing.assert_array_equal(v, off[name], err_msg=f"{case.id}/{switch}/{name}")
 
 
 # The switches qmv_dp4a and moe_dp4a stage x in 16-bit fixed point per 16-byte code chunk (csrc/backend/cuda/x16.cuh):

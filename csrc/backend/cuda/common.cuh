@@ -43,6 +43,10 @@ struct Ctx {
   std::shared_ptr<std::unordered_map<const void*, size_t>> smem_limits =
       std::make_shared<std::unordered_map<const void*, size_t>>();
   void* scratch(int slot, size_t bytes);
+  // Switch moe_down_early (moe.cu): per decode token {tag, blocks counted}, zeroed when the backend is created, and
+  // the last tag handed out (one per MoE call, never 0).
+  unsigned* moe_flags = nullptr;
+  unsigned moe_tag = 0;
 
   void* buf[kNumSlots] = {};
   size_t cap[kNumSlots] = {};

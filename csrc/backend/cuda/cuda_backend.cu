@@ -57,6 +57,8 @@ class CudaBackend final : public Backend {
     ctx_.sm90a = prop.major == 9 && prop.minor == 0;
     device_ = prop.name;
     LILY_CUDA_CHECK(cudaMallocHost(&pinned_, sizeof(int32_t) * 2 * kResultSlots));
+    LILY_CUDA_CHECK(cudaMalloc(&ctx_.moe_flags, sizeof(unsigned) * 2 * kQmvMaxT));
+    LILY_CUDA_CHECK(cudaMemset(ctx_.moe_flags, 0, sizeof(unsigned) * 2 * kQmvMaxT));
     for (auto& e : result_events_) LILY_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   }
   ~CudaBackend() override {
@@ -64,6 +66,7 @@ class CudaBackend final : public Backend {
     forget_replays();
     for (auto& e : result_events_) cudaEventDestroy(e);
     cudaFreeHost(pinned_);
+    cudaFree(ctx_.moe_flags);
     for (void* p : mem_.live()) cudaFree(p);
     for (int s = 0; s < kNumSlots; ++s)
       if (ctx_.buf[s]) cudaFree(ctx_.buf[s]);

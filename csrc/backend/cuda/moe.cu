@@ -38,11 +38,15 @@
 //          pick on the logits (pick_round: a three-level tree per lane, no softmax before the picks; the probabilities
 //          only for block 0's weights, computed as route_warp computes them), the same experts and weights bit for bit
 //          but where two distinct logits round to one probability.
+//          Switch moe_down_early (with route_fused): block 0's routing warp releases the ids under a tag of this
+//          MoE call (st.release, a flag per token); each down block's thread 0 polls it (ld.acquire), and its routed
+//          warps load their experts' first codes before the PDL wait; the last down block clears the flag.
 //          Switch moe_dp4a (decode): each gate+up block stages m once in shared memory in 16-bit fixed point
 //          (x16.cuh) and its dot products run on dp4a (~0.75 instructions per 4-bit code instead of ~2.4).
-//          Registers (sm_90, -O3): gate_up 128 (4-bit) / 125 (8-bit), with moe_dp4a 127 / 107; down 96 / 80, route
-//          32-48, others ≤ 32; no spills. Keep down at 96 or fewer: at 103 only half its blocks got onto the SMs
-//          beside gate+up's before the wait, and a layer took 3 µs longer (benchmarks/NOTES.md, session 51).
+//          Registers (sm_90, -O3): gate_up 128 (4-bit) / 125 (8-bit), with moe_dp4a 127 / 107; down 96 / 83 (held
+//          at 96 by __maxnreg__: moe_down_early's instance would take 98), route 32-48, others ≤ 32; no spills.
+//          Keep down at 96 or fewer: at 103 only half its blocks got onto the SMs beside gate+up's before the wait,
+//          and a layer took 3 µs longer (benchmarks/NOTES.md, session 51).
 // Checks   shapes of every matrix against MoeArgs; bits 4/8; K % group == 0; 1 ≤ top_k ≤ min(E, 32); E ≤ 256;
 //          H % 8 == 0; m, out 16-byte aligned. The decode kernels also need: top_k ≤ 15, one bit width for
 //          gate/up/shared gate/up and one for down/shared down, H ≤ 2048, I and IS ≤ 1024 (4-bit) / 512 (8-bit),
@@ -65,7 +69,7 @@
 //          before the PDL wait once a counter released by the routing warp says the ids are out (+0.7 %); gate+up and
 //          down as one kernel, down tiles handed out by a counter after the gate+up tiles (37.0 µs standalone against
 //          25.1 µs for the two kernels, decode −19.7 %).
-//          v5 (current, 2026-12-04) route_logits: decode +3.5 % / +3.3 % at 4K / 32K. A routed warp's top-k took
+//          v5 (2026-12-04) route_logits: decode +3.5 % / +3.3 % at 4K / 32K. A routed warp's top-k took
 //          ~1.9 µs before its first code load (one warp, clock64: logits 450 cycles, softmax 1,535, eight rounds
 //          1,725); the picks need no softmax and take 1,417 cycles for eight rounds. Tried and removed (NOTES.md v15):
 //          the whole MoE of a token in one kernel of 18 clusters of 8 blocks (moe_cluster, weights bulk-copied into
@@ -79,6 +83,11 @@
 //          v6 (2026-12-06) norm_fold (switch, one token): the mixer's output projection adds into x and leaves Σx²
 //          by block and x ⊙ w; the router's streaming GEMV folds the post-mixer norm in (qmv.cu v7) and writes m for
 //          the experts: no norm kernel between them.
+//          v7 (current, 2026-12-07) moe_down_early (switch, with route_fused): v13's idea rebuilt for v21's step,
+//          whose down blocks are resident before their PDL wait: a tag per MoE call released by the routing warp,
+//          the routed warps' codes loaded before the wait. H100, 4K: +1.07 / +1.39 % inside the build, +0.86 /
+//          +1.47 % sampled against the build without it; 32K +0.29 %; the down kernel 7.04 → 6.14 µs a layer on
+//          the step's critical path (benchmarks/NOTES.md, session 53).
 #include <algorithm>
 
 #include "backend/checks.h"
@@ -142,6 +151,10 @@ struct DecodeArgs {
   int seg_bits, E;
   bool norm_topk;
   bool pick_logits;  // switch route_logits: pick_expert / pick_route instead of route_warp
+  // Switch moe_down_early (with route_fused): per token {tag, blocks counted} (Ctx::moe_flags); the routing block
+  // releases the ids under this call's tag, and moe_down_kernel's routed warps load their codes once it is out.
+  unsigned* flags;
+  unsigned tag;
 };
 
 // ---- device helpers -----------------------------------------------------------------------------------------------
@@ -152,6 +165,33 @@ __device__ __forceinline__ float group_sum(float v, int lpr) {
   for (int o = 16; o > 0; o >>= 1)
     if (o < lpr) v += __shfl_xor_sync(0xffffffffu, v, o);  // lpr is warp-uniform
   return v;
+}
+
+// Switch moe_down_early. Token t's routing warp has written ids[t] (lanes < k): every lane fences its writes, and
+// lane 0 releases the call's tag to moe_down_kernel (flag[0]). The tag is this call's alone among the MoE calls that
+// can overlap (Ctx::moe_tag), and flag[0] is back to 0 once every down block of the call has seen it (count_block), so
+// a down block never takes an earlier call's ids.
+__device__ __forceinline__ void release_routing(unsigned* flag, unsigned tag) {
+  __threadfence();
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(tag) : "memory");
+}
+
+// The down block's wait for release_routing's tag (one thread).
+__device__ __forceinline__ void await_routing(const unsigned* flag, unsigned tag) {
+  for (;;) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    if (v == tag) return;
+    __nanosleep(64);
+  }
+}
+
+// The down block has passed await_routing (one thread): the last of the call's blocks clears the tag and the count.
+__device__ __forceinline__ void count_block(unsigned* flag, unsigned blocks) {
+  if (atomicAdd(flag + 1, 1u) != blocks - 1) return;
+  asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(flag + 1) : "memory");
+  asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(flag) : "memory");
 }
 
 // 2·n bf16 packed in n words to fp32.
@@ -628,6 +668,7 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
         pick_route(p, a.E, a.k, a.norm_topk, a.ids + t * a.k, a.wts + t * a.k);
       else
         route_warp<true>(p, a.E, a.k, a.norm_topk, a.ids + t * a.k, a.wts + t * a.k, a.k);
+      if (a.flags) release_routing(a.flags + 2 * t, a.tag);
     } else {
       const bf16* mt = a.m + size_t(t) * a.H;
       const float gamma = a.seg_bits == 8 ? seg_gate_warp<8>(a.seg, mt, a.H) : seg_gate_warp<4>(a.seg, mt, a.H);
@@ -695,8 +736,11 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
 // ŵ[t, j]; j = k: W_sd with weight γ_t). Lane (rsub = lane / lpr, c = lane % lpr) holds chunk c of h[t, j] and
 // dots it with chunk c of rows n0 + r + rsub, kDownSteps rows per batch, all loaded first; the weighted partials
 // meet in shared memory and are summed in slot order.
-template <int BITS>
-__global__ void __launch_bounds__(kDownMaxWarps * 32) moe_down_kernel(const __grid_constant__ DecodeArgs a) {
+// EARLY (switch moe_down_early): the routed warps take the ids once the routing block has released them
+// (await_routing, by warp 0's lane 0, then a barrier of the k routed warps) and load their first codes before the PDL
+// wait, as the shared warp does, instead of after it.
+template <int BITS, bool EARLY>
+__global__ void __maxnreg__(96) moe_down_kernel(const __grid_constant__ DecodeArgs a) {
   constexpr int CODES = 128 / BITS;
   extern __shared__ float part[];  // [k+1][rb_down]
   const int t = blockIdx.y, n0 = blockIdx.x * a.rb_down, rb = a.rb_down;
@@ -705,8 +749,16 @@ __global__ void __launch_bounds__(kDownMaxWarps * 32) moe_down_kernel(const __gr
   const int K = shared ? a.IS : a.I;
   const QStack D = shared ? a.sdown : a.down;
   pdl_trigger();
-  if (!shared) pdl_wait();  // the routing comes from an earlier kernel; the shared expert's codes need none
-  const size_t e = shared ? 0 : size_t(a.ids[t * a.k + j]);
+  if constexpr (EARLY) {
+    if (!shared) {
+      if (j == 0 && lane == 0) await_routing(a.flags + 2 * t, a.tag);
+      __syncwarp();
+      asm volatile("bar.sync 1, %0;" ::"r"(32 * a.k) : "memory");  // the routed warps
+    }
+  } else if (!shared) {
+    pdl_wait();  // the routing comes from an earlier kernel; the shared expert's codes need none
+  }
+  const size_t e = shared ? 0 : size_t(EARLY ? __ldcg(a.ids + t * a.k + j) : a.ids[t * a.k + j]);
   const int chunks = K / CODES, wpr = K * BITS / 32, gpr = K / D.group;
   int lpr = 1;
   while (lpr < chunks) lpr <<= 1;  // chunks ≤ 32
@@ -727,7 +779,8 @@ __global__ void __launch_bounds__(kDownMaxWarps * 32) moe_down_kernel(const __gr
     }
   };
   load_rows(0);
-  if (shared) pdl_wait();  // h and γ come from earlier kernels
+  if (EARLY && j == 0 && lane == 0) count_block(a.flags + 2 * t, gridDim.x);
+  if (EARLY || shared) pdl_wait();  // h, ŵ and γ come from earlier kernels
 
   // x: chunk c of h[t, j] (0 past the row's end); xs = Σ x computed after the codes are in flight.
   const float wj = shared ? a.gamma[t] : a.wts[t * a.k + j];
@@ -796,6 +849,11 @@ void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, 
   d.E = a.E;
   d.norm_topk = a.norm_topk_prob;
   d.pick_logits = ctx.opts.on(Opt::route_logits);
+  const bool early = logits && ctx.opts.on(Opt::moe_down_early);
+  if (early) {
+    d.flags = ctx.moe_flags;
+    d.tag = ++ctx.moe_tag ? ctx.moe_tag : ++ctx.moe_tag;  // never 0, the cleared flag
+  }
   d.resid = resid;
   d.gate = stack_of(w.gate), d.up = stack_of(w.up), d.down = stack_of(w.down);
   d.sgate = stack_of(w.shared_gate), d.sup = stack_of(w.shared_up), d.sdown = stack_of(w.shared_down);
@@ -821,7 +879,8 @@ void moe_decode(Ctx& ctx, const MoeArgs& a, const MoeWeights& w, const bf16* m, 
     d.rb_down = kDownSteps * rpw;  // a multiple of both slots' rows per warp step
     const dim3 grid(unsigned(cdiv(a.H, d.rb_down)), unsigned(a.T));
     const size_t smem = size_t(a.top_k + 1) * d.rb_down * sizeof(float);
-    launch(ctx, moe_down_kernel<BITS>, grid, 32 * (a.top_k + 1), smem, d);
+    launch(ctx, early ? moe_down_kernel<BITS, true> : moe_down_kernel<BITS, false>, grid, 32 * (a.top_k + 1), smem,
+           d);
   });
   check_launch("moe_down_kernel");
 }
