@@ -10,7 +10,8 @@ kernel's share of the step's critical path (what the step would lose if it took 
 step. ncu times graph nodes one at a time without that overlap (`profile_step.py`: an upper bound); nsys does not run
 on the lent machines. Every block also records reaching its pdl_trigger, its first instructions: "lead" is the median
 over a launch's blocks of how long a block sat on its SM before block 0's wait returned (the time PDL gave its early
-loads; negative for blocks that found room only later), "early" the share of blocks in before the wait by ≥ 0.5 µs.
+loads; negative for blocks that found room only later), "early" the share of blocks in before the wait by ≥ 0.5 µs,
+"last" how long after the wait its latest block arrived (negative: every block was in before it).
 Kernels may also mark phases of their own (LILY_TRACE_PHASE in common.cuh; the cluster sampler does): their times
 after the step's last kernel passed its wait, and from the last phase to the next step's first kernel, are printed.
 `--sampled` selects with the model's default sampling instead of greedy.
@@ -83,14 +84,15 @@ def main() -> None:
         raise SystemExit(f"{len(order)} records for {K} kernels per step: nothing to read")
     t = np.array([v for _, v in order[-(R + 1) * K:]], dtype=np.float64).reshape(R + 1, K)
     # Each launch's block starts: those of its id within 200 µs of its wait (a step is > 1 ms, so this replay's).
-    lead, early = np.full((R + 1) * K, np.nan), np.full((R + 1) * K, np.nan)
+    lead, early, last = (np.full((R + 1) * K, np.nan) for _ in range(3))
     for i, (gid, tw) in enumerate(order[-(R + 1) * K:]):
         st = starts.get(gid, [])
         d = tw - np.array(st[bisect.bisect_left(st, tw - 200_000):bisect.bisect_right(st, tw + 200_000)])
         if d.size:
-            lead[i], early[i] = np.median(d), np.mean(d >= 500)
+            lead[i], early[i], last[i] = np.median(d), np.mean(d >= 500), -d.min()
     lead = np.nanmedian(lead.reshape(R + 1, K)[:-1], axis=0) / 1e3
     early = np.nanmedian(early.reshape(R + 1, K)[:-1], axis=0)
+    last = np.nanmedian(last.reshape(R + 1, K)[:-1], axis=0) / 1e3
     step_ns = t[1:, 0] - t[:-1, 0]                  # first kernel to the next step's first kernel
     delta = np.empty((R, K))
     delta[:, :-1] = t[:-1, 1:] - t[:-1, :-1]        # kernel i's share: its record to kernel i+1's
@@ -98,22 +100,24 @@ def main() -> None:
     per = np.median(delta, axis=0) / 1e3             # µs per position in the step
     short = demangle(names)
 
-    by = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
-    for n, us, ld, ea in zip(short, per, lead, early):
+    by = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
+    for n, us, ld, ea, la in zip(short, per, lead, early, last):
         by[n][0] += 1
         by[n][1] += us
         by[n][2] += ld
         by[n][3] += ea
+        by[n][4] += la
     step_us = float(np.median(step_ns)) / 1e3
     print(f"context {args.context}: {K} kernels per step, step {step_us:.1f} µs (median of {R}; "
           f"{1e6 / step_us:.1f} tok/s), sum of medians {per.sum():.1f} µs")
-    print(f"{'kernel':<48} {'calls':>5} {'µs/call':>8} {'µs/step':>8} {'share':>6} {'lead µs':>8} {'early':>6}")
-    for n, (c, us, ld, ea) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+    print(f"{'kernel':<48} {'calls':>5} {'µs/call':>8} {'µs/step':>8} {'share':>6} {'lead µs':>8} {'early':>6} "
+          f"{'last µs':>8}")
+    for n, (c, us, ld, ea, la) in sorted(by.items(), key=lambda kv: -kv[1][1]):
         print(f"{n[:48]:<48} {c:>5} {us / c:>8.2f} {us:>8.1f} {100 * us / per.sum():>5.1f}% {ld / c:>8.2f} "
-              f"{100 * ea / c:>5.0f}%")
-    print("\nthe first kernels of the step, in order (µs each: share, lead; early):")
+              f"{100 * ea / c:>5.0f}% {la / c:>8.2f}")
+    print("\nthe first kernels of the step, in order (µs each: share, lead; early; last):")
     for i in range(min(K, 40)):
-        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}%")
+        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}% {last[i]:7.2f}")
     if phases:  # each phase's time after the step's last kernel passed its wait, medians over the steps
         last = t[:-1, -1]
 
@@ -128,12 +132,13 @@ def main() -> None:
         print(f"phase {end} to the next step's first kernel passing its wait: {np.median(gap) / 1e3:.2f} µs")
     print("the last kernels:")
     for i in range(max(0, K - 8), K):
-        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}%")
+        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}% {last[i]:7.2f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"context": args.context, "steps": R, "step_us": step_us, "disable": off,
                        "kernels": [{"name": n, "us": round(float(u), 3), "lead_us": round(float(ld), 3),
-                                    "early": round(float(ea), 3)} for n, u, ld, ea in zip(short, per, lead, early)]},
+                                    "early": round(float(ea), 3), "last_us": round(float(la), 3)}
+                                   for n, u, ld, ea, la in zip(short, per, lead, early, last)]},
                       f, indent=1)
 
 
