@@ -84,15 +84,15 @@ def main() -> None:
         raise SystemExit(f"{len(order)} records for {K} kernels per step: nothing to read")
     t = np.array([v for _, v in order[-(R + 1) * K:]], dtype=np.float64).reshape(R + 1, K)
     # Each launch's block starts: those of its id within 200 µs of its wait (a step is > 1 ms, so this replay's).
-    lead, early, last = (np.full((R + 1) * K, np.nan) for _ in range(3))
+    lead, early, late = (np.full((R + 1) * K, np.nan) for _ in range(3))
     for i, (gid, tw) in enumerate(order[-(R + 1) * K:]):
         st = starts.get(gid, [])
         d = tw - np.array(st[bisect.bisect_left(st, tw - 200_000):bisect.bisect_right(st, tw + 200_000)])
         if d.size:
-            lead[i], early[i], last[i] = np.median(d), np.mean(d >= 500), -d.min()
+            lead[i], early[i], late[i] = np.median(d), np.mean(d >= 500), -d.min()
     lead = np.nanmedian(lead.reshape(R + 1, K)[:-1], axis=0) / 1e3
     early = np.nanmedian(early.reshape(R + 1, K)[:-1], axis=0)
-    last = np.nanmedian(last.reshape(R + 1, K)[:-1], axis=0) / 1e3
+    late = np.nanmedian(late.reshape(R + 1, K)[:-1], axis=0) / 1e3
     step_ns = t[1:, 0] - t[:-1, 0]                  # first kernel to the next step's first kernel
     delta = np.empty((R, K))
     delta[:, :-1] = t[:-1, 1:] - t[:-1, :-1]        # kernel i's share: its record to kernel i+1's
@@ -101,7 +101,7 @@ def main() -> None:
     short = demangle(names)
 
     by = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
-    for n, us, ld, ea, la in zip(short, per, lead, early, last):
+    for n, us, ld, ea, la in zip(short, per, lead, early, late):
         by[n][0] += 1
         by[n][1] += us
         by[n][2] += ld
@@ -117,7 +117,7 @@ def main() -> None:
               f"{100 * ea / c:>5.0f}% {la / c:>8.2f}")
     print("\nthe first kernels of the step, in order (µs each: share, lead; early; last):")
     for i in range(min(K, 40)):
-        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}% {last[i]:7.2f}")
+        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}% {late[i]:7.2f}")
     if phases:  # each phase's time after the step's last kernel passed its wait, medians over the steps
         last = t[:-1, -1]
 
@@ -132,13 +132,13 @@ def main() -> None:
         print(f"phase {end} to the next step's first kernel passing its wait: {np.median(gap) / 1e3:.2f} µs")
     print("the last kernels:")
     for i in range(max(0, K - 8), K):
-        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}% {last[i]:7.2f}")
+        print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}% {late[i]:7.2f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"context": args.context, "steps": R, "step_us": step_us, "disable": off,
                        "kernels": [{"name": n, "us": round(float(u), 3), "lead_us": round(float(ld), 3),
                                     "early": round(float(ea), 3), "last_us": round(float(la), 3)}
-                                   for n, u, ld, ea, la in zip(short, per, lead, early, last)]},
+                                   for n, u, ld, ea, la in zip(short, per, lead, early, late)]},
                       f, indent=1)
 
 
