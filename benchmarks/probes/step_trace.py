@@ -13,9 +13,14 @@ over a launch's blocks of how long a block sat on its SM before block 0's wait r
 loads; negative for blocks that found room only later), "early" the share of blocks in before the wait by ≥ 0.5 µs,
 "last" how long after the wait its latest block arrived (negative: every block was in before it).
 Kernels may also mark phases of their own (LILY_TRACE_PHASE and TracePhases in common.cuh; the cluster sampler and
-the MoE decode kernels do): each phase's time after its launch's wait is printed, the median over the launch's blocks
-and its latest block, with the time from the latest to the next kernel's wait.
+the MoE decode kernels do): each phase's time after its launch's wait is printed, the median over the launch's blocks,
+the 90th percentile and its latest block, with the time from the latest to the next kernel's wait.
 `--sampled` selects with the model's default sampling instead of greedy.
+
+A probe that moves the step: the trace build's step runs ~7 % slower than the shipped one (H100 at 4K: 1,606 µs
+against 1,495, benchmarks/NOTES.md session 54), and three times a kernel's gain in the trace did not show in the
+shipped step (the picks' oracle, `moe_down_early`, `moe_down_stage`). It says where to look; `ab_decode.py` and
+`ab_builds.py` on a shipped build decide.
 """
 from __future__ import annotations
 
