@@ -12,9 +12,15 @@ on the lent machines. Every block also records reaching its pdl_trigger, its fir
 over a launch's blocks of how long a block sat on its SM before block 0's wait returned (the time PDL gave its early
 loads; negative for blocks that found room only later), "early" the share of blocks in before the wait by ≥ 0.5 µs,
 "last" how long after the wait its latest block arrived (negative: every block was in before it).
-Kernels may also mark phases of their own (LILY_TRACE_PHASE in common.cuh; the cluster sampler does): their times
-after the step's last kernel passed its wait, and from the last phase to the next step's first kernel, are printed.
+Kernels may also mark phases of their own (LILY_TRACE_PHASE and TracePhases in common.cuh; the cluster sampler and
+the MoE decode kernels do): each phase's time after its launch's wait is printed, the median over the launch's blocks,
+the 90th percentile and its latest block, with the time from the latest to the next kernel's wait.
 `--sampled` selects with the model's default sampling instead of greedy.
+
+A probe that moves the step: the trace build's step runs ~7 % slower than the shipped one (H100 at 4K: 1,606 µs
+against 1,495, benchmarks/NOTES.md session 54), and three times a kernel's gain in the trace did not show in the
+shipped step (the picks' oracle, `moe_down_early`, `moe_down_stage`). It says where to look; `ab_decode.py` and
+`ab_builds.py` on a shipped build decide.
 """
 from __future__ import annotations
 
@@ -62,7 +68,7 @@ def main() -> None:
                 else lily.SamplingParams(temperature=0.0))
     g = _core.Generator(s, sampling.to_core(), [], args.steps + 16, model.n_valid)
     g.prefill(prompt)
-    _core.testing.step_trace_start((args.steps + 8) * 100_000)  # every block's start: ~60K records a step
+    _core.testing.step_trace_start((args.steps + 8) * 400_000)  # every block's start and the MoE phases: ~150K records a step
     for _ in range(args.steps + 4):  # an eager step, the captured one, then replays
         g.next()
     names, grids, times = _core.testing.step_trace_stop()
@@ -70,10 +76,10 @@ def main() -> None:
     # One time per launch, its block 0's first wait. A graph's node keeps its %gridid from replay to replay, so a
     # launch is a run of records of one id in time order (the next kernel cannot pass its wait before this one ends).
     # Start records (top bit of the id) are each block reaching its pdl_trigger: kept apart, per id, in time order.
-    order, starts, phases = [], defaultdict(list), defaultdict(list)
+    order, starts, phases = [], defaultdict(list), defaultdict(lambda: defaultdict(list))
     for t, gid in sorted(zip(times, grids)):
-        if (gid >> 62) & 1:  # a phase inside a kernel (LILY_TRACE_PHASE): bits 56-61
-            phases[(gid >> 56) & 63].append(t)
+        if (gid >> 62) & 1:  # a phase inside a kernel (LILY_TRACE_PHASE, TracePhases): bits 56-61, per launch id
+            phases[gid & ((1 << 56) - 1)][(gid >> 56) & 63].append(t)
         elif gid >> 63:
             starts[gid & ~(1 << 63)].append(t)
         elif not order or order[-1][0] != gid:
@@ -84,12 +90,19 @@ def main() -> None:
         raise SystemExit(f"{len(order)} records for {K} kernels per step: nothing to read")
     t = np.array([v for _, v in order[-(R + 1) * K:]], dtype=np.float64).reshape(R + 1, K)
     # Each launch's block starts: those of its id within 200 µs of its wait (a step is > 1 ms, so this replay's).
+    def near(ts: list, tw: float) -> np.ndarray:  # the records of ts (in time order) of this replay's launch
+        return np.array(ts[bisect.bisect_left(ts, tw - 200_000):bisect.bisect_right(ts, tw + 200_000)], dtype=float)
+
     lead, early, late = (np.full((R + 1) * K, np.nan) for _ in range(3))
+    ph = defaultdict(lambda: np.full((R + 1, 4), np.nan))  # (position, phase) → per replay: median, p90, latest, n
     for i, (gid, tw) in enumerate(order[-(R + 1) * K:]):
-        st = starts.get(gid, [])
-        d = tw - np.array(st[bisect.bisect_left(st, tw - 200_000):bisect.bisect_right(st, tw + 200_000)])
+        d = tw - near(starts.get(gid, []), tw)
         if d.size:
             lead[i], early[i], late[i] = np.median(d), np.mean(d >= 500), -d.min()
+        for p, ts in phases.get(gid, {}).items():
+            d = near(ts, tw) - tw
+            if d.size:
+                ph[i % K, p][i // K] = np.median(d), np.percentile(d, 90), d.max(), d.size
     lead = np.nanmedian(lead.reshape(R + 1, K)[:-1], axis=0) / 1e3
     early = np.nanmedian(early.reshape(R + 1, K)[:-1], axis=0)
     late = np.nanmedian(late.reshape(R + 1, K)[:-1], axis=0) / 1e3
@@ -118,18 +131,18 @@ def main() -> None:
     print("\nthe first kernels of the step, in order (µs each: share, lead; early; last):")
     for i in range(min(K, 40)):
         print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}% {late[i]:7.2f}")
-    if phases:  # each phase's time after the step's last kernel passed its wait, medians over the steps
-        last = t[:-1, -1]
-
-        def first_after(ts: list, w: float) -> float:  # ts in time order: the first record at or after w
-            i = bisect.bisect_left(ts, w)
-            return ts[i] if i < len(ts) else np.nan
-
-        print("phases of the last kernel (µs after its wait):", ", ".join(
-            f"{p}: {np.median([first_after(phases[p], w) - w for w in last]) / 1e3:.2f}" for p in sorted(phases)))
-        end = max(phases)
-        gap = [n - first_after(phases[end], w) for w, n in zip(last, t[1:, 0])]
-        print(f"phase {end} to the next step's first kernel passing its wait: {np.median(gap) / 1e3:.2f} µs")
+    # Phases, by kernel: µs after each launch's wait (medians over the replays, means over the kernel's launches).
+    pk = defaultdict(lambda: defaultdict(list))
+    for (k, p), v in ph.items():
+        pk[short[k]][p].append(list(np.nanmedian(v[:-1], axis=0)) + [per[k]])
+    if pk:
+        print("\nphases, µs after the launch's wait: median over its blocks, 90th percentile, its latest block, blocks"
+              " recorded; then the latest to the next kernel's wait")
+    for n, byp in pk.items():
+        print(f"  {n}")
+        for p, rows in sorted(byp.items()):
+            med, p90, mx, nb, nxt = np.mean(rows, axis=0)
+            print(f"    phase {p:>2}: {med / 1e3:7.2f} {p90 / 1e3:7.2f} {mx / 1e3:7.2f} {nb:6.0f}  {nxt - mx / 1e3:6.2f}")
     print("the last kernels:")
     for i in range(max(0, K - 8), K):
         print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}% {late[i]:7.2f}")
@@ -138,7 +151,9 @@ def main() -> None:
             json.dump({"context": args.context, "steps": R, "step_us": step_us, "disable": off,
                        "kernels": [{"name": n, "us": round(float(u), 3), "lead_us": round(float(ld), 3),
                                     "early": round(float(ea), 3), "last_us": round(float(la), 3)}
-                                   for n, u, ld, ea, la in zip(short, per, lead, early, late)]},
+                                   for n, u, ld, ea, la in zip(short, per, lead, early, late)],
+                       "phases": {n: {p: [round(float(x), 1) for x in np.mean(rows, axis=0)[:4]]
+                                      for p, rows in sorted(byp.items())} for n, byp in pk.items()}},
                       f, indent=1)
 
 

@@ -14,6 +14,9 @@
 #include "backend/backend.h"
 #include "backend/checks.h"
 #include "backend/policy.h"
+#ifdef LILY_STEP_TRACE
+#include "backend/cuda/step_trace.h"
+#endif
 #include "backend/scratch.h"
 #include "core/common.h"
 
@@ -84,15 +87,26 @@ __device__ unsigned long long* g_step_trace = nullptr;
 void set_step_trace(unsigned long long* p) { LILY_CUDA_CHECK(cudaMemcpyToSymbol(g_step_trace, &p, sizeof(p))); }
 [[maybe_unused]] const bool step_trace_registered = (step_trace_register(&set_step_trace), true);
 }  // namespace
+// n consecutive record slots of this SM's shard (step_trace.cu: kTraceShards counters, each on its own 128-byte line,
+// then the shards' records), or null when the probe is off or the shard is full. One counter per SM keeps the
+// probe's atomics off any one address the whole GPU shares.
+__device__ __forceinline__ unsigned long long* step_trace_slots(unsigned n) {
+  unsigned long long* tr = g_step_trace;
+  if (!tr) return nullptr;
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  sm %= kTraceShards;
+  const unsigned long long per = tr[kTraceShards * kTraceLine];  // records per shard
+  const unsigned long long i = atomicAdd(tr + sm * kTraceLine, static_cast<unsigned long long>(n));
+  if (i + n > per) return nullptr;
+  return tr + kTraceShards * kTraceLine + kTraceLine + 2 * (sm * per + i);
+}
 // One record: this launch's id with `flags` in its top bits, and the time.
 __device__ __forceinline__ void step_trace_record(unsigned long long flags) {
-  unsigned long long* tr = g_step_trace;
-  if (!tr) return;
   unsigned long long grid, t;
   asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  const unsigned long long i = atomicAdd(tr, 1ull);
-  if (i < tr[1]) tr[2 + 2 * i] = grid | flags, tr[3 + 2 * i] = t;
+  if (unsigned long long* r = step_trace_slots(1)) r[0] = grid | flags, r[1] = t;
 }
 // start: the record is a block's pdl_trigger (its first instructions, before the wait; every block records one),
 // flagged by the grid id's top bit; else it is block 0 passing its PDL wait.
@@ -105,8 +119,44 @@ __device__ __forceinline__ void step_trace_phase(int phase) {
   step_trace_record(1ull << 62 | static_cast<unsigned long long>(phase & 63) << 56);
 }
 #define LILY_TRACE_PHASE(p) step_trace_phase(p)
+// Up to N phase times of one thread, kept in registers and recorded together by record(): one atomic for all, after
+// the work they time, so that the probe adds no round trip between them. Phase first + i is the i-th mark.
+template <int N>
+struct TracePhases {
+  unsigned t[N];  // the timer's low 32 bits (ns): record() restores the high ones, so a mark costs one register
+  __device__ __forceinline__ void mark(int i) { asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(t[i])); }
+  // The mark once v is in a register: v a word of the loads to wait for (xor several to wait for all). The timer
+  // read is predicated on v, so that neither compiler can hoist it above v's loads (v = ~0, one word in 2^32,
+  // records the start of the timer's 4.3-second period instead).
+  __device__ __forceinline__ void mark_on(int i, unsigned v) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.u32 p, %1, 0xFFFFFFFF;\n mov.u32 %0, 0;\n @p mov.u32 %0, %%globaltimer_lo;\n}"
+        : "=r"(t[i])
+        : "r"(v));
+  }
+  __device__ __forceinline__ void record(int first, int n = N) {
+    unsigned long long grid, now;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    unsigned long long* r = step_trace_slots(n);
+    if (!r) return;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (i < n) {  // the mark's time: now's high bits, one wrap of the low ones back if the mark is past now's
+        const unsigned long long hi = (now & ~0xFFFFFFFFull) - (t[i] > unsigned(now) ? 1ull << 32 : 0);
+        r[2 * i] = grid | 1ull << 62 | static_cast<unsigned long long>((first + i) & 63) << 56;
+        r[2 * i + 1] = hi | t[i];
+      }
+  }
+};
 #else
 #define LILY_TRACE_PHASE(p) ((void)0)
+template <int N>
+struct TracePhases {
+  __device__ __forceinline__ void mark(int) {}
+  __device__ __forceinline__ void mark_on(int, unsigned) {}
+  __device__ __forceinline__ void record(int, int = N) {}
+};
 #endif
 __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -115,10 +165,10 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 __device__ __forceinline__ void pdl_trigger() {
-#ifdef LILY_STEP_TRACE
-  step_trace_mark(true);
-#endif
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#ifdef LILY_STEP_TRACE
+  step_trace_mark(true);  // after the trigger, so that the probe's atomic does not hold the successor's launch back
+#endif
 }
 
 // Launches kernel<<<grid, block, smem, ctx.stream>>>(args…), with the PDL attribute when the switch is on.

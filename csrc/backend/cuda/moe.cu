@@ -631,6 +631,8 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
   if (n_block >= N) return;  // whole block; no barrier in this kernel
   if (!shared) pdl_wait();  // the routing comes from the previous kernel; the shared expert's codes need none
   const size_t e = shared ? 0 : size_t(a.logits ? routed_expert(a, t, j) : a.ids[t * a.k + j]);
+  TracePhases<3> tp;  // the step trace's phases (thread 0): the expert known, h written, then the routing released
+  tp.mark(0);         // (the routing block) or the codes in (the others)
   const QStack G = shared ? a.sgate : a.gate, U = shared ? a.sup : a.up;
   const int wpr = a.H * BITS / 32, gpr_g = a.H / G.group, gpr_u = a.H / U.group, chunks = a.H / CODES;
   const uint32_t* gw = G.w + e * N * wpr;
@@ -660,6 +662,15 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
     }
   }
   if (shared) pdl_wait();  // m comes from the previous kernel
+  auto mark_codes = [&] {  // the trace's "codes in", once m's loads are issued
+    if (threadIdx.x || (a.logits && blockIdx.x == 0)) return;
+    unsigned qx = 0;
+#pragma unroll
+    for (int st = 0; st < kGuSteps<BITS>; ++st)
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) qx ^= qg[st][i].x ^ qu[st][i].w ^ sg[st][i] ^ bu[st][i];
+    tp.mark_on(2, qx);
+  };
   if (a.logits && blockIdx.x == 0 && warp < 2) {  // the token's routing and γ, read by moe_down_kernel
     if (warp == 0) {
       float p[kMaxExperts / 32];
@@ -669,6 +680,7 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
       else
         route_warp<true>(p, a.E, a.k, a.norm_topk, a.ids + t * a.k, a.wts + t * a.k, a.k);
       if (a.flags) release_routing(a.flags + 2 * t, a.tag);
+      tp.mark(2);
     } else {
       const bf16* mt = a.m + size_t(t) * a.H;
       const float gamma = a.seg_bits == 8 ? seg_gate_warp<8>(a.seg, mt, a.H) : seg_gate_warp<4>(a.seg, mt, a.H);
@@ -680,6 +692,7 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
   if constexpr (X16) {
     stage_x16<BITS>(mr, chunks, xi, xsum_s, xd_s);
     __syncthreads();  // n_block ≥ N returned whole blocks only
+    mark_codes();
 #pragma unroll
     for (int st = 0; st < kGuSteps<BITS>; ++st) {
       float g = 0.0f, u = 0.0f;
@@ -706,6 +719,7 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
 #pragma unroll
       for (int v = 0; v < CODES / 8; ++v)
         xr[i][v] = *reinterpret_cast<const uint4*>(mr + min(sub + lpr * i, chunks - 1) * CODES + 8 * v);
+    mark_codes();
     float x[CPL][CODES], xs[CPL];
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
@@ -730,6 +744,10 @@ __global__ void __launch_bounds__(kGuWarps * 32, 4) moe_gate_up_kernel(const __g
       if (n < N && sub == 0) hr[n] = siluf_(g) * u;  // silu(W_gate·m) ⊙ (W_up·m)
     }
   }
+  if (threadIdx.x == 0) {
+    tp.mark(1);
+    tp.record(a.logits && blockIdx.x == 0 ? 20 : shared ? 24 : 28);
+  }
 }
 
 // Block = rb_down output rows n0.. of token blockIdx.y; warp j = slot j (j < k: W_down[ids[t, j]] with weight
@@ -749,6 +767,7 @@ __global__ void __maxnreg__(96) moe_down_kernel(const __grid_constant__ DecodeAr
   const int K = shared ? a.IS : a.I;
   const QStack D = shared ? a.sdown : a.down;
   pdl_trigger();
+  TracePhases<6> tp;  // the step trace's phases (thread 0): ids out, wait passed, h in, codes in, dots done, x written
   if constexpr (EARLY) {
     if (!shared) {
       if (j == 0 && lane == 0) await_routing(a.flags + 2 * t, a.tag);
@@ -758,6 +777,7 @@ __global__ void __maxnreg__(96) moe_down_kernel(const __grid_constant__ DecodeAr
   } else if (!shared) {
     pdl_wait();  // the routing comes from an earlier kernel; the shared expert's codes need none
   }
+  tp.mark(0);
   const size_t e = shared ? 0 : size_t(EARLY ? __ldcg(a.ids + t * a.k + j) : a.ids[t * a.k + j]);
   const int chunks = K / CODES, wpr = K * BITS / 32, gpr = K / D.group;
   int lpr = 1;
@@ -781,10 +801,12 @@ __global__ void __maxnreg__(96) moe_down_kernel(const __grid_constant__ DecodeAr
   load_rows(0);
   if (EARLY && j == 0 && lane == 0) count_block(a.flags + 2 * t, gridDim.x);
   if (EARLY || shared) pdl_wait();  // h, ŵ and γ come from earlier kernels
+  tp.mark(1);
 
   // x: chunk c of h[t, j] (0 past the row's end); xs = Σ x computed after the codes are in flight.
   const float wj = shared ? a.gamma[t] : a.wts[t * a.k + j];
   float x[CODES];
+  unsigned dv = 0;  // the dots, for the trace's mark
   const float* hr = a.h + (size_t(t) * (a.k + 1) + j) * a.hs + cc * CODES;
 #pragma unroll
   for (int v = 0; v < CODES / 4; ++v) {
@@ -803,12 +825,21 @@ __global__ void __maxnreg__(96) moe_down_kernel(const __grid_constant__ DecodeAr
       if (c >= chunks) x[i] = 0.0f;
       xs += x[i];
     }
+    if (r0 == 0) {  // the trace's "h in", then "codes in"
+      unsigned qx = 0;
+#pragma unroll
+      for (int st = 0; st < kDownSteps; ++st) qx ^= q[st].x ^ q[st].y ^ q[st].z ^ q[st].w ^ s[st] ^ b[st];
+      tp.mark_on(2, __float_as_uint(xs) ^ __float_as_uint(wj));
+      tp.mark_on(3, qx);
+    }
 #pragma unroll
     for (int st = 0; st < kDownSteps; ++st) {
       const float v = group_sum(chunk_dot<BITS>(q[st], x, xs, bf16_bits_to_f(s[st]), bf16_bits_to_f(b[st])), lpr);
       if (c == 0) part[j * rb + r0 + st * rpw + rsub] = wj * v;  // ŵ_e·y_e[n] or γ·s[n]
+      dv ^= __float_as_uint(v);
     }
   }
+  tp.mark_on(4, dv);
   __syncthreads();
   for (int r = threadIdx.x; r < rb; r += blockDim.x) {
     const int n = n0 + r;
@@ -820,6 +851,10 @@ __global__ void __maxnreg__(96) moe_down_kernel(const __grid_constant__ DecodeAr
       a.resid[o] += acc;  // x ← x + MoE(m)
     else
       a.out[o] = __float2bfloat16(acc);
+  }
+  if (threadIdx.x == 0) {
+    tp.mark(5);
+    tp.record(EARLY ? 32 : 40);
   }
 }
 

@@ -15,8 +15,8 @@ struct TraceState {
   std::mutex lock;
   std::vector<void (*)(unsigned long long*)> setters;  // one per CUDA file
   std::vector<const void*> kernels;                    // launched during graph capture, in order
-  unsigned long long* buf = nullptr;                   // device: [count, capacity, (grid, time) × capacity]
-  size_t capacity = 0;
+  unsigned long long* buf = nullptr;                   // device: step_trace.h's layout
+  size_t per = 0;                                      // records per shard
 };
 
 TraceState& state() {
@@ -46,10 +46,16 @@ void step_trace_start(size_t capacity) {
   LILY_CHECK(!s.buf, "step_trace_start: already recording");
   LILY_CHECK(capacity > 0, "step_trace_start: capacity must be positive");
   LILY_CUDA_CHECK(cudaDeviceSynchronize());
-  LILY_CUDA_CHECK(cudaMalloc(&s.buf, (2 + 2 * capacity) * sizeof(unsigned long long)));
-  const unsigned long long head[2] = {0, capacity};
-  LILY_CUDA_CHECK(cudaMemcpy(s.buf, head, sizeof(head), cudaMemcpyHostToDevice));
-  s.capacity = capacity;
+  int dev = 0, sms = 0;
+  LILY_CUDA_CHECK(cudaGetDevice(&dev));
+  LILY_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  // capacity spread over the SMs that record (every shard gets as much: %smid need not be below the SM count)
+  const size_t per = (capacity + sms - 1) / std::max(sms, 1), head = (kTraceShards + 1) * kTraceLine;
+  LILY_CUDA_CHECK(cudaMalloc(&s.buf, (head + 2 * per * kTraceShards) * sizeof(unsigned long long)));
+  std::vector<unsigned long long> h(head, 0);
+  h[kTraceShards * kTraceLine] = per;
+  LILY_CUDA_CHECK(cudaMemcpy(s.buf, h.data(), head * sizeof(unsigned long long), cudaMemcpyHostToDevice));
+  s.per = per;
   s.kernels.clear();
   for (auto set : s.setters) set(s.buf);
 }
@@ -60,21 +66,25 @@ StepTrace step_trace_stop() {
   LILY_CHECK(s.buf, "step_trace_stop: not recording");
   LILY_CUDA_CHECK(cudaDeviceSynchronize());
   for (auto set : s.setters) set(nullptr);
-  unsigned long long n = 0;
-  LILY_CUDA_CHECK(cudaMemcpy(&n, s.buf, sizeof(n), cudaMemcpyDeviceToHost));
-  const size_t kept = std::min<size_t>(n, s.capacity);
-  std::vector<unsigned long long> rec(2 * kept);
-  if (kept) LILY_CUDA_CHECK(cudaMemcpy(rec.data(), s.buf + 2, rec.size() * sizeof(unsigned long long),
-                                       cudaMemcpyDeviceToHost));
+  const size_t head = (kTraceShards + 1) * kTraceLine;
+  std::vector<unsigned long long> h(head), rec(2 * s.per * kTraceShards);
+  LILY_CUDA_CHECK(cudaMemcpy(h.data(), s.buf, head * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  LILY_CUDA_CHECK(cudaMemcpy(rec.data(), s.buf + head, rec.size() * sizeof(unsigned long long),
+                             cudaMemcpyDeviceToHost));
   LILY_CUDA_CHECK(cudaFree(s.buf));
   s.buf = nullptr;  // stopped, whatever follows
-  LILY_CHECK(n <= s.capacity, "step trace: ", n, " records for a capacity of ", s.capacity,
-             " (start it with a larger capacity)");
   StepTrace t;
-  for (size_t i = 0; i < kept; ++i) {
-    t.grids.push_back(rec[2 * i]);
-    t.times.push_back(rec[2 * i + 1]);
+  size_t most = 0;
+  for (unsigned sh = 0; sh < kTraceShards; ++sh) {
+    const size_t n = h[sh * kTraceLine];
+    most = std::max(most, n);
+    for (size_t i = 0; i < std::min(n, s.per); ++i) {
+      t.grids.push_back(rec[2 * (sh * s.per + i)]);
+      t.times.push_back(rec[2 * (sh * s.per + i) + 1]);
+    }
   }
+  LILY_CHECK(most <= s.per, "step trace: ", most, " records on one SM for a capacity of ", s.per,
+             " per SM (start it with a larger capacity)");
   for (const void* k : s.kernels) {
     const char* name = nullptr;
     t.names.push_back(cudaFuncGetName(&name, k) == cudaSuccess && name ? name : "?");

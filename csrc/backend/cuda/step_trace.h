@@ -13,6 +13,11 @@
 
 namespace lily {
 
+// The record buffer (device): kTraceShards counters, one per SM (%smid mod kTraceShards), each on its own line of
+// kTraceLine words; then a line whose first word is the records per shard; then each shard's (grid, time) records.
+constexpr unsigned kTraceShards = 256;
+constexpr unsigned kTraceLine = 16;
+
 struct StepTrace {
   std::vector<std::string> names;  // the kernels of every graph captured while tracing, in launch order
   std::vector<uint64_t> grids;     // per record: the launch (%gridid; top bit set for a start record) ...
