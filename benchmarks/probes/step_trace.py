@@ -18,9 +18,9 @@ the 90th percentile and its latest block, with the time from the latest to the n
 `--sampled` selects with the model's default sampling instead of greedy.
 
 A probe that moves the step: the trace build's step runs ~7 % slower than the shipped one (H100 at 4K: 1,606 µs
-against 1,495, benchmarks/NOTES.md session 54), and three times a kernel's gain in the trace did not show in the
-shipped step (the picks' oracle, `moe_down_early`, `moe_down_stage`). It says where to look; `ab_decode.py` and
-`ab_builds.py` on a shipped build decide.
+against 1,495, benchmarks/NOTES.md session 54), and three times the trace promised more than the shipped step gave
+(the picks' oracle 2.4 % against nil, `moe_down_early` 3.1 % against 1.1 to 1.4 %, `moe_down_stage` 2.1 % against
+−0.2 %). It says where to look; `ab_decode.py` and `ab_builds.py` on a shipped build decide.
 """
 from __future__ import annotations
 
