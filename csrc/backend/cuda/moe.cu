@@ -87,7 +87,11 @@
 //          whose down blocks are resident before their PDL wait: a tag per MoE call released by the routing warp,
 //          the routed warps' codes loaded before the wait. H100, 4K: +1.07 / +1.39 % inside the build, +0.86 /
 //          +1.47 % sampled against the build without it; 32K +0.29 %; the down kernel 7.04 → 6.14 µs a layer on
-//          the step's critical path (benchmarks/NOTES.md, session 53).
+//          the step's critical path (benchmarks/NOTES.md, session 53). Tried and removed (session 54, H100):
+//          moe_down_stage, the down block copying h into shared memory with coalesced loads for its lanes to read
+//          there (a warp's own loads of h touch 16 lines): the trace's down kernel 6.30 → 5.81 µs a layer, the
+//          shipped step −0.21 % at 4K. The step trace's phases (TracePhases, common.cuh) are marked in both decode
+//          kernels; a LILY_STEP_TRACE build keeps the register counts above, a shipped build has no trace of them.
 #include <algorithm>
 
 #include "backend/checks.h"
