@@ -15,13 +15,14 @@ loads; negative for blocks that found room only later), "early" the share of blo
 Kernels may also mark phases of their own (LILY_TRACE_PHASE and TracePhases in common.cuh; the cluster sampler and
 the MoE decode kernels do): each phase's time after its launch's wait is printed, the median over the launch's blocks,
 the 90th percentile and its latest block, with the time from the latest to the next kernel's wait.
-`--sampled` selects with the model's default sampling instead of greedy. `--lean` records block 0's waits alone (no
-block starts, no phases: no lead, early, last or phases columns), the probe's least weight on the step.
+`--sampled` selects with the model's default sampling instead of greedy.
 
-A probe that moves the step: the trace build's step runs ~7 % slower than the shipped one (H100 at 4K: 1,606 µs
-against 1,495, benchmarks/NOTES.md session 54), and three times the trace promised more than the shipped step gave
-(the picks' oracle 2.4 % against nil, `moe_down_early` 3.1 % against 1.1 to 1.4 %, `moe_down_stage` 2.1 % against
-−0.2 %). It says where to look; `ab_decode.py` and `ab_builds.py` on a shipped build decide.
+A probe that moves the step: the trace build's step runs ~9 % slower than the shipped one (H100 at 4K: 1,606 µs
+greedy and 1,651 sampled against ~1,470 and ~1,495; benchmarks/NOTES.md sessions 54 and 55). The weight is the trace
+build's code, not its records: a mode that recorded block 0's waits alone (~330 records a step instead of ~150,000)
+ran 1,632 µs, and was removed. Three times the trace promised more than the shipped step gave (the picks' oracle
+2.4 % against nil, `moe_down_early` 3.1 % against 1.1 to 1.4 %, `moe_down_stage` 2.1 % against −0.2 %). It says where
+to look; `ab_decode.py` and `ab_builds.py` on a shipped build decide.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ import json
 import re
 import shutil
 import subprocess
-import warnings
 from collections import defaultdict
 
 import numpy as np
@@ -53,10 +53,7 @@ def main() -> None:
     ap.add_argument("--disable", default="", help="switches off (comma-separated)")
     ap.add_argument("--out", default="")
     ap.add_argument("--sampled", action="store_true", help="the model's default sampling instead of greedy")
-    ap.add_argument("--lean", action="store_true", help="block 0's waits alone: no block starts, no phases")
     args = ap.parse_args()
-    if args.lean:  # no block records: the lead, early and last columns are medians of nothing
-        warnings.simplefilter("ignore", RuntimeWarning)
 
     import lily
     from lily import _core
@@ -73,8 +70,8 @@ def main() -> None:
                 else lily.SamplingParams(temperature=0.0))
     g = _core.Generator(s, sampling.to_core(), [], args.steps + 16, model.n_valid)
     g.prefill(prompt)
-    # every block's start and the MoE phases: ~150K records a step (lean: ~330)
-    _core.testing.step_trace_start((args.steps + 8) * 400_000, blocks=not args.lean)
+    # every block's start and the MoE phases: ~150K records a step
+    _core.testing.step_trace_start((args.steps + 8) * 400_000)
     for _ in range(args.steps + 4):  # an eager step, the captured one, then replays
         g.next()
     names, grids, times = _core.testing.step_trace_stop()
@@ -153,12 +150,10 @@ def main() -> None:
     for i in range(max(0, K - 8), K):
         print(f"  {i:>3} {short[i][:60]:<60} {per[i]:7.2f} {lead[i]:7.2f} {100 * early[i]:5.0f}% {late[i]:7.2f}")
     if args.out:
-        def num(v: float, d: int = 3) -> float | None:  # null where the probe took no block records (--lean)
-            return None if np.isnan(v) else round(float(v), d)
-
         with open(args.out, "w") as f:
-            json.dump({"context": args.context, "steps": R, "step_us": step_us, "disable": off, "lean": args.lean,
-                       "kernels": [{"name": n, "us": num(u), "lead_us": num(ld), "early": num(ea), "last_us": num(la)}
+            json.dump({"context": args.context, "steps": R, "step_us": step_us, "disable": off,
+                       "kernels": [{"name": n, "us": round(float(u), 3), "lead_us": round(float(ld), 3),
+                                    "early": round(float(ea), 3), "last_us": round(float(la), 3)}
                                    for n, u, ld, ea, la in zip(short, per, lead, early, late)],
                        "phases": {n: {p: [round(float(x), 1) for x in np.mean(rows, axis=0)[:4]]
                                       for p, rows in sorted(byp.items())} for n, byp in pk.items()}},

@@ -362,10 +362,10 @@ void init_testing(nb::module_& m) {
         "Every kernel of metal/*.metal in this harness build, with the number of times it has been dispatched.");
 #endif
 #ifdef LILY_STEP_TRACE
-  t.def("step_trace_start", &step_trace_start, "capacity"_a = size_t(1) << 20, "blocks"_a = true,
+  t.def("step_trace_start", &step_trace_start, "capacity"_a = size_t(1) << 20,
         "Starts the decode-step probe (a LILY_STEP_TRACE build): every kernel's block 0 records when it passes its "
-        "PDL wait, and the kernels of graphs captured meanwhile are named. With blocks, every block also records "
-        "when it reaches its pdl_trigger (launch id's top bit set) and the kernels record their phases.");
+        "PDL wait, every block when it reaches its pdl_trigger (launch id's top bit set), and the kernels of graphs "
+        "captured meanwhile are named.");
   t.def("step_trace_stop", [] {
         StepTrace r = step_trace_stop();
         return nb::make_tuple(r.names, r.grids, r.times);

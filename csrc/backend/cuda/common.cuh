@@ -88,12 +88,11 @@ void set_step_trace(unsigned long long* p) { LILY_CUDA_CHECK(cudaMemcpyToSymbol(
 [[maybe_unused]] const bool step_trace_registered = (step_trace_register(&set_step_trace), true);
 }  // namespace
 // n consecutive record slots of this SM's shard (step_trace.cu: kTraceShards counters, each on its own 128-byte line,
-// then the shards' records), or null when the probe is off, the shard is full, or (detail: a block's start or a
-// phase) the probe records block 0's waits alone. One counter per SM keeps the probe's atomics off any one address
-// the whole GPU shares.
-__device__ __forceinline__ unsigned long long* step_trace_slots(unsigned n, bool detail) {
+// then the shards' records), or null when the probe is off or the shard is full. One counter per SM keeps the
+// probe's atomics off any one address the whole GPU shares.
+__device__ __forceinline__ unsigned long long* step_trace_slots(unsigned n) {
   unsigned long long* tr = g_step_trace;
-  if (!tr || (detail && !tr[kTraceShards * kTraceLine + 1])) return nullptr;
+  if (!tr) return nullptr;
   unsigned sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   sm %= kTraceShards;
@@ -107,7 +106,7 @@ __device__ __forceinline__ void step_trace_record(unsigned long long flags) {
   unsigned long long grid, t;
   asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  if (unsigned long long* r = step_trace_slots(1, flags != 0)) r[0] = grid | flags, r[1] = t;
+  if (unsigned long long* r = step_trace_slots(1)) r[0] = grid | flags, r[1] = t;
 }
 // start: the record is a block's pdl_trigger (its first instructions, before the wait; every block records one),
 // flagged by the grid id's top bit; else it is block 0 passing its PDL wait.
@@ -139,7 +138,7 @@ struct TracePhases {
     unsigned long long grid, now;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    unsigned long long* r = step_trace_slots(n, true);
+    unsigned long long* r = step_trace_slots(n);
     if (!r) return;
 #pragma unroll
     for (int i = 0; i < N; ++i)

@@ -90,8 +90,11 @@
 //          the step's critical path (benchmarks/NOTES.md, session 53). Tried and removed (session 54, H100):
 //          moe_down_stage, the down block copying h into shared memory with coalesced loads for its lanes to read
 //          there (a warp's own loads of h touch 16 lines): the trace's down kernel 6.30 → 5.81 µs a layer, the
-//          shipped step −0.21 % at 4K. The step trace's phases (TracePhases, common.cuh) are marked in both decode
-//          kernels; a LILY_STEP_TRACE build keeps the register counts above, a shipped build has no trace of them.
+//          shipped step −0.21 % at 4K. Tried and removed (session 55, H100): prefetch_next_layer, thread 0 of each
+//          down block issuing its share of the next layer's input projections as L2 bulk prefetches after the wait:
+//          the projections −0.95 µs a call, the down kernel +2.1 µs, the shipped step +0.00 % at 4K. The step
+//          trace's phases (TracePhases, common.cuh) are marked in both decode kernels; a LILY_STEP_TRACE build keeps
+//          the register counts above, a shipped build has no trace of them.
 #include <algorithm>
 
 #include "backend/checks.h"

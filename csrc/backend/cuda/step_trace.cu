@@ -40,7 +40,7 @@ void step_trace_launch(const void* kernel) {
 
 }  // namespace cuda
 
-void step_trace_start(size_t capacity, bool blocks) {
+void step_trace_start(size_t capacity) {
   using namespace cuda;
   TraceState& s = state();
   LILY_CHECK(!s.buf, "step_trace_start: already recording");
@@ -54,7 +54,6 @@ void step_trace_start(size_t capacity, bool blocks) {
   LILY_CUDA_CHECK(cudaMalloc(&s.buf, (head + 2 * per * kTraceShards) * sizeof(unsigned long long)));
   std::vector<unsigned long long> h(head, 0);
   h[kTraceShards * kTraceLine] = per;
-  h[kTraceShards * kTraceLine + 1] = blocks;
   LILY_CUDA_CHECK(cudaMemcpy(s.buf, h.data(), head * sizeof(unsigned long long), cudaMemcpyHostToDevice));
   s.per = per;
   s.kernels.clear();

@@ -14,7 +14,7 @@
 namespace lily {
 
 // The record buffer (device): kTraceShards counters, one per SM (%smid mod kTraceShards), each on its own line of
-// kTraceLine words; then a line of {records per shard, blocks}; then each shard's (grid, time) records.
+// kTraceLine words; then a line whose first word is the records per shard; then each shard's (grid, time) records.
 constexpr unsigned kTraceShards = 256;
 constexpr unsigned kTraceLine = 16;
 
@@ -25,10 +25,8 @@ struct StepTrace {
                                    // pdl_trigger, its first instructions (ns, %globaltimer)
 };
 
-// Starts recording (up to `capacity` records: stopping after more is an error that says so). blocks: every block's
-// start and the kernels' phases too; without, block 0's wait alone (~330 records a step: the least the probe moves
-// the step).
-void step_trace_start(size_t capacity, bool blocks = true);
+// Starts recording (up to `capacity` records: stopping after more is an error that says so).
+void step_trace_start(size_t capacity);
 // Stops recording and returns what was recorded since step_trace_start.
 StepTrace step_trace_stop();
 
