@@ -364,8 +364,8 @@ void init_testing(nb::module_& m) {
 #ifdef LILY_STEP_TRACE
   t.def("step_trace_start", &step_trace_start, "capacity"_a = size_t(1) << 20,
         "Starts the decode-step probe (a LILY_STEP_TRACE build): every kernel's block 0 records when it passes its "
-        "PDL wait, every block when it reaches its pdl_trigger (launch id's top bit set), and the kernels of graphs "
-        "captured meanwhile are named.");
+        "PDL wait, every block when it reaches its pdl_trigger (launch id's top bit set), the kernels that mark phases "
+        "(LILY_TRACE_PHASE, TracePhases) record them, and the kernels of graphs captured meanwhile are named.");
   t.def("step_trace_stop", [] {
         StepTrace r = step_trace_stop();
         return nb::make_tuple(r.names, r.grids, r.times);
