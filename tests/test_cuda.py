@@ -239,11 +239,18 @@ def test_generation_with_every_switch_off(mid_plain):
     _assert_greedy(mid_plain.logits(prompt + out)[len(prompt) - 1:-1, :mid_plain.n_valid], out)
 
 
-def test_moe_down_early_generates_the_same_tokens(mid_pair, mid_ckpt):
-    """Switch moe_down_early: the down kernel takes the expert ids from the gate+up kernel before its PDL wait. In the
-    replayed decode step both kernels run at once, so this is where a wrong hand-over would show; the arithmetic is the
-    switch-off path's, so greedy generation gives the same tokens and logprobs bit for bit."""
-    off = lily.Model(mid_ckpt, "cuda", disable=["moe_down_early"])
+# Switches of the replayed decode step whose two positions run the same arithmetic: greedy generation with each off
+# must give the same tokens and logprobs bit for bit.
+#   moe_down_early: the down kernel takes the expert ids from the gate+up kernel before its PDL wait. In the replayed
+#     step both kernels run at once, so this is where a wrong hand-over would show.
+#   attn_kv_early: decode attention copies the cached keys and values before the position ahead of its PDL wait, while
+#     attn_prep may still be writing the position's own row; a row copied too early would show as a wrong token.
+STEP_SWITCHES = ["moe_down_early", "attn_kv_early"]
+
+
+@pytest.mark.parametrize("switch", STEP_SWITCHES)
+def test_step_switch_generates_the_same_tokens(mid_pair, mid_ckpt, switch):
+    off = lily.Model(mid_ckpt, "cuda", disable=[switch])
     prompt = np.random.default_rng().integers(0, off.n_valid, 24).tolist()
     runs = [[(r.token, r.logprob) for r in lily.stream_generate(m, prompt, max_tokens=64, temperature=0.0)]
             for m in (mid_pair[1], off, mid_pair[1])]

@@ -86,6 +86,10 @@ const std::vector<OptInfo>& optimisation_table() {
       {Opt::moe_down_early, "moe_down_early", "cuda",
        "decode MoE: the down kernel's routed warps take the expert ids as soon as the gate+up kernel's routing block "
        "releases them and load their codes before the PDL wait, instead of after it"},
+      {Opt::attn_kv_early, "attn_kv_early", "cuda",
+       "decode attention: the first key/value tiles' cached rows (those before the token's position, written by "
+       "earlier steps) copied before the PDL wait, this step's own rows after it, instead of every copy after the "
+       "wait"},
   };
   return table;
 }

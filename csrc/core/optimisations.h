@@ -85,6 +85,9 @@ enum class Opt : int {
                      //   gate+up kernel's routing block releases them (a tag the block stores, one per MoE call) and
                      //   loads its routed codes before its PDL wait, instead of after it. Metal: no PDL, a dispatch
                      //   starts after its predecessor ends (as pdl)
+  attn_kv_early,     // CUDA: decode attention copies its first key/value tiles' rows before the current position (the
+                     //   cache as earlier forwards left it) before its PDL wait, and only this forward's rows after it,
+                     //   instead of every copy after the wait. Metal: no PDL (as pdl)
   kCount
 };
 

@@ -367,6 +367,9 @@ CASES = [
     # a replayed decode step: the kernels must take the position from the device, not the (stale) host value
     Case("attention", dict(T=1, pos0=700, NH=16, NKV=2, HD=256, device_pos=True), tags=("model",)),
     Case("attention", dict(T=1, pos0=40, NH=4, NKV=1, HD=32, device_pos=True), tags=("edge",)),
+    # CUDA's attn_kv_early: a decode block whose two early tiles hold the forward's own rows on both sides of a tile
+    # edge (positions 5055 and 5056 of split 39, keys 4992-5119)
+    Case("attention", dict(T=2, pos0=5055, **_attn_real), tags=("model",)),
     # Gated DeltaNet
     Case("gdn_conv", dict(T=1, **_gdn_real), tags=("model",)),
     Case("gdn_conv", dict(T=300, **_gdn_real), tags=("model",)),

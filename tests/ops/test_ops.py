@@ -42,17 +42,21 @@ def test_op_matches_cpu(backend, case, switches):
 #   experts and weights, and with them the output, are those of the rounds over the probabilities (fresh random
 #   logits: no two round to one probability).
 # - moe_down_early hands the down kernel the expert ids before its PDL wait: the same arithmetic in the same order.
+# And decode attention's attn_kv_early: the cached rows before the position copied before the PDL wait, the position's
+# own rows after it, into the same tiles (the decode instance: T·G ≤ 16 packed rows per kv head).
 # (Metal: tests/metal/test_metal_ops.py, on the CPU harness, for route_logits.)
 ROUTED = [c for c in SELECTED if c.op in ("moe", "moe_residual") and c.dims["T"] == 1]
 SAME_BITS = [(c, s) for s in ("route_logits", "moe_down_early") for c in ROUTED] + \
-            [(c, "moe_down_early") for c in SELECTED if c.op in ("moe", "moe_residual") and 1 < c.dims["T"] <= 8]
+            [(c, "moe_down_early") for c in SELECTED if c.op in ("moe", "moe_residual") and 1 < c.dims["T"] <= 8] + \
+            [(c, "attn_kv_early") for c in SELECTED
+             if c.op == "attention" and c.dims["T"] * c.dims["NH"] // c.dims["NKV"] <= 16]
 CUDA = next((b for b in lily.backends() if b.name == "cuda"), None)
 
 
 @pytest.mark.skipif(CUDA is None or not CUDA.usable,
                     reason=f"the CUDA backend cannot run here: {CUDA.reason if CUDA else 'not compiled in'}")
 @pytest.mark.parametrize("case,switch", SAME_BITS, ids=lambda v: v.id if isinstance(v, Case) else v)
-def test_moe_switch_keeps_the_bits(case, switch):
+def test_switch_keeps_the_bits(case, switch):
     params, inputs = make(case, np.random.default_rng())
     on = _core.testing.run_op("cuda", case.op, {**params, "disable": ""}, inputs)
     off = _core.testing.run_op("cuda", case.op, {**params, "disable": switch}, inputs)

@@ -372,13 +372,17 @@ __device__ __forceinline__ size_t q_at(const KArgs& a, int kvh, int r, int c) {
 }
 
 // grid (row tiles, NKV, S); block RW·KW warps; NSTAGE K/V tiles in flight. See the header for the mapping.
-template <int HD, int RW, int KW, int NSTAGE>
+// EARLY (decode, switch attn_kv_early): the first NSTAGE−1 tiles' keys before pos0 are copied before the PDL wait.
+// Those cache rows and the position were written by earlier forwards (a replayed step's position by the previous
+// step's sampler), as the GDN state a scan loads before its wait; this forward's rows [pos0, pos0 + T), which
+// attn_prep writes just before, are copied after the wait with the Q tile.
+template <int HD, int RW, int KW, int NSTAGE, bool EARLY>
 __global__ void __launch_bounds__(32 * RW * KW, 1)
     attn_mma_kernel(const KArgs a, const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                     const bf16* __restrict__ v_cache, const bf16* __restrict__ qg, bf16* __restrict__ out,
                     float* __restrict__ po, float* __restrict__ pml) {
   pdl_trigger();
-  pdl_wait();
+  if constexpr (!EARLY) pdl_wait();
   constexpr int BM = 16 * RW, NK = kBC / KW, LD = HD + 8, NT = 32 * RW * KW, CH = HD / 8;
   static_assert(NK % 16 == 0, "each warp needs whole 16-key MMA steps");
   static_assert(KW == 1 || (RW == 1 && NT == 128), "the KW > 1 merge maps 8 threads to each of 16 rows");
@@ -394,29 +398,52 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
   const int pos0 = bk.pos0, nrows = bk.nrows, r0 = bk.r0, k0 = bk.k0, kend = bk.kend, ntiles = bk.ntiles;
   const int kvh = blockIdx.y;
 
-  // Q tile (zero rows past nrows) joins the first K/V tile's cp.async group. Tile i lives in group i (empty
-  // groups keep the count uniform), so waiting for all but the newest NSTAGE−1 groups lands tile it.
-  for (int i = tid; i < BM * CH; i += NT) {
-    const int row = i / CH, c = i % CH, r = r0 + row;
-    const bool ok = r < nrows;
-    const size_t src = ok ? q_at(a, kvh, r, c) : 0;
-    cp_async16(qs + row * LD + c * 8, q + src, ok);
-  }
-  auto load_kv = [&](int it) {  // tile it into stage it mod NSTAGE; keys ≥ kend are zero-filled
+  auto load_q = [&] {  // the Q tile, zero rows past nrows
+    for (int i = tid; i < BM * CH; i += NT) {
+      const int row = i / CH, c = i % CH, r = r0 + row;
+      const bool ok = r < nrows;
+      const size_t src = ok ? q_at(a, kvh, r, c) : 0;
+      cp_async16(qs + row * LD + c * 8, q + src, ok);
+    }
+  };
+  auto copy_key = [&](int stage, int row, int c, int key, bool ok) {  // ok = false: the 16 bytes zero-filled
+    const size_t src = ok ? (size_t(key) * a.NKV + kvh) * HD + c * 8 : 0;
+    cp_async16(ks + (stage * kBC + row) * LD + c * 8, k_cache + src, ok);
+    cp_async16(vs + (stage * kBC + row) * LD + c * 8, v_cache + src, ok);
+  };
+  // Tile it into stage it mod NSTAGE; keys ≥ kend are zero-filled. early: keys in [pos0, kend) are left out (this
+  // forward's rows, copied after the wait).
+  auto load_kv = [&](int it, bool early) {
     if (it < ntiles) {
       const int kt = k0 + it * kBC, stage = it % NSTAGE;
       for (int i = tid; i < kBC * CH; i += NT) {
         const int row = i / CH, c = i % CH, key = kt + row;
-        const bool ok = key < kend;
-        const size_t src = ok ? (size_t(key) * a.NKV + kvh) * HD + c * 8 : 0;
-        cp_async16(ks + (stage * kBC + row) * LD + c * 8, k_cache + src, ok);
-        cp_async16(vs + (stage * kBC + row) * LD + c * 8, v_cache + src, ok);
+        if (early && key >= pos0 && key < kend) continue;
+        copy_key(stage, row, c, key, key < kend);
       }
     }
     cp_async_commit();
   };
+  // Tile i lives in group i (empty groups keep the count uniform), so waiting for all but the newest NSTAGE−1
+  // groups lands tile it. Plain: the Q tile joins tile 0's group. EARLY: tiles 0 .. NSTAGE−2 go before the wait,
+  // then the Q tile and this forward's rows of those tiles form one more group, landed with them before the loop.
+  if constexpr (EARLY) {
 #pragma unroll
-  for (int st = 0; st < NSTAGE - 1; ++st) load_kv(st);
+    for (int st = 0; st < NSTAGE - 1; ++st) load_kv(st, true);
+    pdl_wait();
+    load_q();
+    const int lo = max(pos0, k0), hi = min(kend, k0 + (NSTAGE - 1) * kBC);
+    for (int i = tid; i < max(hi - lo, 0) * CH; i += NT) {
+      const int key = lo + i / CH, it = (key - k0) / kBC;
+      copy_key(it % NSTAGE, key - k0 - it * kBC, i % CH, key, true);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+  } else {
+    load_q();
+#pragma unroll
+    for (int st = 0; st < NSTAGE - 1; ++st) load_kv(st, false);
+  }
 
   // Visible-key limits: the thread's rows g, g+8; the warp's first and last rows (limits grow with the row).
   auto limit = [&](int r) { return min(pos0 + min(r / a.G, a.T - 1) + 1, kend); };
@@ -431,7 +458,7 @@ __global__ void __launch_bounds__(32 * RW * KW, 1)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
   for (int it = 0; it < ntiles; ++it) {
-    load_kv(it + NSTAGE - 1);
+    load_kv(it + NSTAGE - 1, false);
     cp_async_wait<NSTAGE - 1>();
     __syncthreads();
     const int kb = k0 + it * kBC + wk * NK;
@@ -743,14 +770,14 @@ __global__ void __launch_bounds__(kMaxHD / 4 * kCombineGroups) attn_combine_kern
 }
 
 // ---- launch helpers ----------------------------------------------------------------------------------------
-template <int HD, int RW, int KW, int NSTAGE>
+template <int HD, int RW, int KW, int NSTAGE, bool EARLY>
 void launch_mma(Ctx& ctx, const KArgs& ka, int row_tiles, const bf16* q, const bf16* k_cache, const bf16* v_cache,
                 const bf16* qg, bf16* out, float* po, float* pml) {
   constexpr size_t smem = size_t(16 * RW + 2 * NSTAGE * kBC) * (HD + 8) * sizeof(bf16);
   LILY_CHECK(smem <= ctx.smem_optin, "attention: HD=", HD, " needs ", smem, " bytes of shared memory, the device has ",
              ctx.smem_optin);
-  allow_smem(ctx, attn_mma_kernel<HD, RW, KW, NSTAGE>, smem);
-  launch(ctx, attn_mma_kernel<HD, RW, KW, NSTAGE>, dim3(row_tiles, ka.NKV, ka.S), 32 * RW * KW, smem, ka, q,
+  allow_smem(ctx, attn_mma_kernel<HD, RW, KW, NSTAGE, EARLY>, smem);
+  launch(ctx, attn_mma_kernel<HD, RW, KW, NSTAGE, EARLY>, dim3(row_tiles, ka.NKV, ka.S), 32 * RW * KW, smem, ka, q,
          k_cache, v_cache, qg, out, po, pml);
 }
 
@@ -801,13 +828,16 @@ void run_attention(Ctx& ctx, KArgs ka, const bf16* q, const bf16* k_cache, const
     pml = po + rows * HD;
   }
   if (decode) {
-    launch_mma<HD, 1, 4, 3>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
+    if (ctx.opts.on(Opt::attn_kv_early))
+      launch_mma<HD, 1, 4, 3, true>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
+    else
+      launch_mma<HD, 1, 4, 3, false>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
     check_launch("attn_mma");
   } else if (wgmma_applies<HD>(ctx)) {
     launch_wgmma<HD>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
     check_launch("attn_wgmma");
   } else {
-    launch_mma<HD, 8, 1, 2>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
+    launch_mma<HD, 8, 1, 2, false>(ctx, ka, row_tiles, q, k_cache, v_cache, qg, out, po, pml);
     check_launch("attn_mma");
   }
   if (ka.S > 1) {
