@@ -28,7 +28,8 @@
 //          Shared rows are padded by 16 bytes (stride HD+8), so ldmatrix and cp.async are bank-conflict free.
 //            prefill (T·G > 16): RW=8, KW=1, NSTAGE=2 (8 warps, 128 rows, 198 KB smem, 255 regs, no spills);
 //            decode (T·G ≤ 16): RW=1, KW=4, NSTAGE=3 (4 warps split every tile's keys and merge through shared
-//            memory at the end; 206 KB smem, 185 regs). Both: one block per SM.
+//            memory at the end; 206 KB smem, 188 regs; switch attn_kv_early: the first two tiles' rows before pos0
+//            copied before the PDL wait, under attn_prep). Both: one block per SM.
 //          attn_wgmma<HD> (prefill on sm_90a, switch attn_wgmma, HD % 64 == 0; the same grid, rows and partials):
 //            2 warpgroups × 64 rows; S by wgmma m64n64k16 (Q, K from shared memory), P·V by wgmma with P in registers
 //            and V N-major; tile it+1's S overlaps tile it's P·V (see the kernel; 254 regs, 193 KB smem).
@@ -51,6 +52,8 @@
 //          v2 (2026-12-02) attn_wgmma for prefill: the 4096-token chunk after 28,672 tokens 5.38 ms per layer
 //          (383 TFLOP/s; mma.sync ~250); 32K / 128K prefill end to end +10 % / +24 % (benchmarks/NOTES.md v7).
 //          v3 (2026-12-03) attn_prep loads its q/k norm weights before the PDL wait (benchmarks/NOTES.md v11).
+//          v4 (2026-12-07) attn_kv_early: decode's cached K/V rows copied before the PDL wait; H100 decode +1.16 % at
+//          4K (the whole split, 64 keys, in flight before the wait), +1.58 % at 32K (benchmarks/NOTES.md session 59).
 #include "backend/checks.h"
 #include "backend/cuda/ops.cuh"
 #include "backend/cuda/wgmma.cuh"
